@@ -1,0 +1,264 @@
+"""infer_sharding(state, strategy, mesh): a NamedSharding per leaf, and a plan that says why."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnx_shard.errors import InvalidStrategyError, TacticError, UnmatchedLeavesError
+from nnx_shard.paths import Leaf, flatten_leaves
+from nnx_shard.plan import LeafPlacement, ShardingPlan
+from nnx_shard.tactics import Spec, Tactic, as_tactic, entry_size, normalize_spec
+
+logger = logging.getLogger("nnx_shard")
+
+Strategy = Sequence[tuple[str, Any]]
+
+
+class UnusedRuleWarning(UserWarning):
+    """A strategy rule that matched no leaf: usually a typo in its regex."""
+
+
+class InvalidRegexError(InvalidStrategyError):
+    """A strategy rule whose regex does not compile."""
+
+
+class _Rule:
+    __slots__ = ("index", "pattern", "regex", "tactic", "text")
+
+    def __init__(self, index: int, pattern: str, regex: re.Pattern[str], tactic: Tactic, text: str):
+        self.index, self.pattern, self.regex, self.tactic, self.text = (
+            index,
+            pattern,
+            regex,
+            tactic,
+            text,
+        )
+
+
+def _compile_strategy(strategy: Any) -> list[_Rule]:
+    if isinstance(strategy, (str, bytes)) or not isinstance(strategy, Sequence):
+        # ml_collections turns lists into tuples/lists; anything else is wrong.
+        if not hasattr(strategy, "__iter__") or isinstance(strategy, (str, bytes, dict)):
+            raise InvalidStrategyError(
+                f"expected a strategy: an ordered list of (regex, tactic) pairs such as "
+                f"[('.*embedding.*', 'replicate'), ('.*', \"fsdp(axis='fsdp')\")]; got "
+                f"{type(strategy).__name__} {strategy!r:.200}."
+            )
+    rules = []
+    for i, entry in enumerate(strategy):
+        if isinstance(entry, (str, bytes)) or len(entry) != 2:
+            raise InvalidStrategyError(
+                f"rule {i} of the strategy is {entry!r}; each rule is a (regex, tactic) pair."
+            )
+        pattern, tactic = entry
+        if not isinstance(pattern, str):
+            raise InvalidStrategyError(f"rule {i}: the regex must be a string; got {pattern!r}.")
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise InvalidRegexError(
+                f"rule {i} ({pattern!r}, {tactic!r}): the regex does not compile: {e}. "
+                f"Escape special characters, e.g. r'layers\\.0'."
+            ) from None
+        text = tactic if isinstance(tactic, str) else None
+        try:
+            tac = as_tactic(tactic)
+        except TacticError as e:
+            raise e.with_rule(i, pattern, str(tactic)) from None
+        rules.append(_Rule(i, pattern, regex, tac, text or str(tac)))
+    return rules
+
+
+def _match(rules: list[_Rule], leaf: Leaf) -> tuple[_Rule | None, str | None]:
+    names = (leaf.path, *leaf.candidates)
+    for rule in rules:
+        search = rule.regex.search
+        for name in names:
+            if search(name):
+                return rule, name
+    return None, None
+
+
+def _shard_bytes(mesh: Mesh, shape: tuple[int, ...], spec: Spec, itemsize: int) -> int:
+    n = itemsize
+    for d, e in zip(shape, spec, strict=True):
+        k = entry_size(mesh, e)
+        n *= -(-d // k)
+    return n
+
+
+def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = True) -> ShardingPlan:
+    """Infers shardings and returns the full plan: per leaf its rule, spec and bytes.
+
+    Takes the same arguments as :func:`infer_sharding`; the shardings are in
+    ``plan.shardings``.
+
+    >>> import jax, optax
+    >>> from flax import nnx
+    >>> from nnx_shard import create_mesh
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)))
+    >>> plan = plan_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
+    >>> plan.leaf("kernel").spec, plan.leaf("kernel").bytes_per_device
+    (PartitionSpec(None, 'fsdp'), 8192)
+    """
+    rules = _compile_strategy(strategy)
+    leaves, treedef = flatten_leaves(state)
+    cache: dict[Spec, NamedSharding] = {}
+
+    def sharding_for(spec: Spec) -> NamedSharding:
+        s = cache.get(spec)
+        if s is None:
+            s = cache[spec] = NamedSharding(mesh, PartitionSpec(*spec))
+        return s
+
+    used: set[int] = set()
+    unmatched: list[Leaf] = []
+    out: list[NamedSharding | None] = []
+    placements: list[LeafPlacement] = []
+    for leaf in leaves:
+        if leaf.shape is None:
+            out.append(None)
+            placements.append(LeafPlacement.skipped(leaf))
+            continue
+        rule, matched = _match(rules, leaf)
+        if rule is not None:
+            used.add(rule.index)
+        spec: Spec = (None,) * leaf.ndim
+        if leaf.ndim == 0:
+            leaf.notes.append("scalar: replicated")
+        elif rule is None:
+            unmatched.append(leaf)
+            leaf.notes.append("no rule matched: replicated")
+        else:
+            try:
+                spec = normalize_spec(rule.tactic(spec, mesh, leaf.path, leaf), leaf.ndim, leaf.describe())
+            except TacticError as e:
+                raise e.with_rule(rule.index, rule.pattern, rule.text) from None
+        sharding = sharding_for(spec)
+        out.append(sharding)
+        placements.append(
+            LeafPlacement(
+                path=leaf.path,
+                shape=leaf.shape,
+                dtype=str(leaf.dtype),
+                spec=sharding.spec,
+                rule_index=None if rule is None else rule.index,
+                matched=matched if matched != leaf.path else None,
+                total_bytes=leaf.nbytes,
+                bytes_per_device=_shard_bytes(mesh, leaf.shape, spec, leaf.itemsize),
+                notes=tuple(leaf.notes),
+            )
+        )
+    if strict and unmatched:
+        shown = "\n".join(f"  {leaf.path} {leaf.shape}" for leaf in unmatched[:10])
+        more = f"\n  ... and {len(unmatched) - 10} more" if len(unmatched) > 10 else ""
+        raise UnmatchedLeavesError(
+            f"{len(unmatched)} leaves match no rule of the strategy:\n{shown}{more}\n"
+            f"End the strategy with ('.*', 'replicate') to replicate everything else, "
+            f"or pass strict=False."
+        )
+    unused = [r.index for r in rules if r.index not in used]
+    for i in unused:
+        msg = (
+            f"rule {i} ({rules[i].pattern!r}, {rules[i].text!r}) matched no leaf; check the regex for a typo."
+        )
+        warnings.warn(msg, UnusedRuleWarning, stacklevel=3)
+    _log_notes(placements, rules)
+    plan = ShardingPlan(
+        mesh=mesh,
+        leaves=placements,
+        rules=[(r.pattern, r.text) for r in rules],
+        unused_rules=unused,
+        shardings=jax.tree_util.tree_unflatten(treedef, out),
+    )
+    return plan
+
+
+def _log_notes(placements: list[LeafPlacement], rules: list[_Rule]) -> None:
+    """Logs each kind of soft note once per rule, with a count and the first leaf."""
+    seen: dict[tuple[int | None, str], list[LeafPlacement]] = {}
+    for p in placements:
+        for note in p.notes:
+            if note.startswith(("scalar", "skipped")):
+                continue
+            kind = note.split(",")[0]
+            seen.setdefault((p.rule_index, kind), []).append(p)
+    for (index, kind), ps in seen.items():
+        where = (
+            "no rule" if index is None else f"rule {index} ({rules[index].pattern!r}, {rules[index].text!r})"
+        )
+        level = logging.INFO if "below min_size" in ps[0].notes[0] else logging.WARNING
+        first = next(n for n in ps[0].notes if n.startswith(kind))
+        logger.log(
+            level,
+            "%s: %d leaves %s; first %r %s: %s",
+            where,
+            len(ps),
+            "left replicated" if "replicated" in first else "noted",
+            ps[0].path,
+            ps[0].shape,
+            first,
+        )
+
+
+def infer_sharding(
+    state: Any,
+    strategy: Strategy,
+    mesh: Mesh,
+    *,
+    strict: bool = True,
+    return_plan: bool = False,
+) -> Any:
+    """Infers a ``NamedSharding`` for every leaf from an ordered list of (regex, tactic) rules.
+
+    ``state`` may be an ``nnx.State``, a Module, an ``nnx.Optimizer``, an
+    ``nnx.EMA``, a plain pytree, a dict or tuple of those, or abstract versions
+    of any of them (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``); nothing is
+    allocated. Paths are ``/``-joined (``encoder/layers/0/mlp/kernel``); each
+    rule's regex is tried with ``re.search`` and the first matching rule wins.
+    A leaf that mirrors a parameter (``opt_state/0/mu/up/kernel``,
+    ``params/up/kernel`` in an EMA) is also tried under the parameter's path
+    ``up/kernel``, so one strategy serves model, optimizer and EMA.
+    Scalars are replicated without a rule; leaves without a shape (masked
+    optimizer entries) get ``None``.
+
+    Args:
+      state: what to place.
+      strategy: ``[(regex, tactic), ...]``; a tactic is a string such as
+        ``"fsdp(axis='fsdp')|shard_dim(axis='tp', dim=-1)"``, a Tactic, a
+        ShardingRule, a PartitionSpec or a callable ``(cur_spec, mesh, name, leaf) -> spec``.
+      mesh: the mesh to place on.
+      strict: raise :class:`UnmatchedLeavesError` when a leaf with dimensions
+        matches no rule (else it is replicated, and the plan says so).
+      return_plan: return ``(shardings, plan)``.
+
+    Returns:
+      A pytree of ``NamedSharding`` mirroring ``state`` (an ``nnx.State`` for a
+      State or Module), usable as ``jax.jit(..., out_shardings=...)`` or with
+      ``jax.device_put``.
+
+    Raises:
+      InvalidStrategyError: a malformed strategy or regex.
+      TacticError: a subclass naming the rule, the leaf and the fix.
+      UnmatchedLeavesError: in strict mode, leaves no rule matched.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> from nnx_shard import create_mesh
+    >>> mesh = create_mesh((2, 4), ("dp", "fsdp"))
+    >>> model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+    >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    >>> strategy = [("^kernel$", "shard_dim(axis='fsdp', dim=-1)"), (".*", "replicate")]
+    >>> infer_sharding(opt, strategy, mesh)["opt_state"][0]["mu"]["kernel"].spec
+    PartitionSpec(None, 'fsdp')
+    """
+    plan = plan_sharding(state, strategy, mesh, strict=strict)
+    return (plan.shardings, plan) if return_plan else plan.shardings

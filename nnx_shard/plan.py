@@ -1,0 +1,185 @@
+"""ShardingPlan: which rule placed each leaf, its spec, and the bytes each device holds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``.
+
+    >>> format_bytes(3 * 2**30)
+    '3.00 GiB'
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlacement:
+    """Where one leaf goes and why.
+
+    Attributes:
+      path: the leaf's ``/``-joined path.
+      shape: its global shape (None for a leaf without one, which is skipped).
+      dtype: its dtype name.
+      spec: its PartitionSpec (None when skipped).
+      rule_index: the strategy rule that placed it (None: scalar, skipped or unmatched).
+      matched: the name the rule matched when not the path itself (the
+        parameter path an optimizer or EMA leaf mirrors).
+      total_bytes: bytes of the whole array.
+      bytes_per_device: exact bytes on the fullest device.
+      notes: why a leaf stayed replicated, and other soft findings.
+    """
+
+    path: str
+    shape: tuple[int, ...] | None
+    dtype: str
+    spec: PartitionSpec | None
+    rule_index: int | None
+    matched: str | None
+    total_bytes: int
+    bytes_per_device: int
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def skipped(cls, leaf: Any) -> LeafPlacement:
+        return cls(leaf.path, None, "-", None, None, None, 0, 0, ("skipped: no shape",))
+
+    @property
+    def sharded(self) -> bool:
+        return self.spec is not None and any(e is not None for e in self.spec)
+
+
+@dataclasses.dataclass
+class ShardingPlan:
+    """The result of :func:`nnx_shard.plan_sharding`, printable as a table.
+
+    Attributes:
+      mesh: the mesh placed on.
+      leaves: one :class:`LeafPlacement` per leaf, in tree order.
+      rules: the strategy as ``(regex, tactic text)`` pairs.
+      unused_rules: indices of rules that matched no leaf (usually typos).
+      shardings: the pytree of ``NamedSharding`` (None for skipped leaves).
+    """
+
+    mesh: Mesh
+    leaves: list[LeafPlacement]
+    rules: list[tuple[str, str]]
+    unused_rules: list[int]
+    shardings: Any = dataclasses.field(repr=False, default=None)
+
+    def leaf(self, path: str) -> LeafPlacement:
+        """The placement of the leaf with exactly this path."""
+        for p in self.leaves:
+            if p.path == path:
+                return p
+        raise KeyError(f"no leaf {path!r} in the plan; paths look like {self.leaves[0].path!r}.")
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole state, counted once."""
+        return sum(p.total_bytes for p in self.leaves)
+
+    @property
+    def sharded_bytes_per_device(self) -> int:
+        """Bytes of sharded leaves on the fullest device."""
+        return sum(p.bytes_per_device for p in self.leaves if p.sharded)
+
+    @property
+    def replicated_bytes_per_device(self) -> int:
+        """Bytes of replicated leaves, which every device holds whole."""
+        return sum(p.bytes_per_device for p in self.leaves if not p.sharded)
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Exact bytes on the fullest device."""
+        return self.sharded_bytes_per_device + self.replicated_bytes_per_device
+
+    def summary(self) -> str:
+        """A few lines: leaves, bytes per device, rules and notes."""
+        n = len(self.leaves)
+        sharded = sum(p.sharded for p in self.leaves)
+        skipped = sum(p.spec is None for p in self.leaves)
+        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        lines = [
+            f"mesh ({mesh}), {self.mesh.devices.size} devices; {n} leaves: {sharded} sharded, "
+            f"{n - sharded - skipped} replicated, {skipped} without a shape",
+            f"state {format_bytes(self.total_bytes)}; per device "
+            f"{format_bytes(self.bytes_per_device)} (sharded "
+            f"{format_bytes(self.sharded_bytes_per_device)} + replicated "
+            f"{format_bytes(self.replicated_bytes_per_device)})",
+        ]
+        counts = [0] * len(self.rules)
+        for p in self.leaves:
+            if p.rule_index is not None:
+                counts[p.rule_index] += 1
+        for i, (pattern, tactic) in enumerate(self.rules):
+            flag = "  <- matched nothing: typo?" if i in self.unused_rules else ""
+            lines.append(f"  rule {i}: ({pattern!r}, {tactic!r}) placed {counts[i]} leaves{flag}")
+        noted = sum(1 for p in self.leaves if any(not n.startswith(("scalar", "skipped")) for n in p.notes))
+        if noted:
+            lines.append(f"  {noted} leaves carry notes (left replicated); see the table")
+        return "\n".join(lines)
+
+    def table(self, max_rows: int | None = None) -> str:
+        """One row per leaf: path, shape, dtype, spec, rule, bytes per device, notes."""
+        rows = [("path", "shape", "dtype", "spec", "rule", "per device", "notes")]
+        shown = self.leaves if max_rows is None else self.leaves[:max_rows]
+        for p in shown:
+            rule = "-" if p.rule_index is None else str(p.rule_index)
+            if p.matched:
+                rule += f" (as {p.matched})"
+            spec = "-" if p.spec is None else str(tuple(p.spec)).replace("'", "")
+            rows.append(
+                (
+                    p.path,
+                    "-" if p.shape is None else "x".join(map(str, p.shape)) or "()",
+                    p.dtype,
+                    spec,
+                    rule,
+                    format_bytes(p.bytes_per_device),
+                    "; ".join(p.notes),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows]
+        lines = [ln.rstrip() for ln in lines]
+        if max_rows is not None and len(self.leaves) > max_rows:
+            lines.append(f"... {len(self.leaves) - max_rows} more leaves")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (for ``nnx-shard plan --json``)."""
+        return {
+            "mesh": dict(self.mesh.shape),
+            "rules": [list(r) for r in self.rules],
+            "unused_rules": self.unused_rules,
+            "total_bytes": self.total_bytes,
+            "bytes_per_device": self.bytes_per_device,
+            "sharded_bytes_per_device": self.sharded_bytes_per_device,
+            "replicated_bytes_per_device": self.replicated_bytes_per_device,
+            "leaves": [
+                {
+                    "path": p.path,
+                    "shape": p.shape,
+                    "dtype": p.dtype,
+                    "spec": None
+                    if p.spec is None
+                    else [e if not isinstance(e, tuple) else list(e) for e in p.spec],
+                    "rule": p.rule_index,
+                    "matched": p.matched,
+                    "bytes_per_device": p.bytes_per_device,
+                    "notes": list(p.notes),
+                }
+                for p in self.leaves
+            ],
+        }
+
+    def __str__(self) -> str:
+        return self.summary() + "\n\n" + self.table()
