@@ -107,7 +107,7 @@ def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = 
     >>> model = nnx.eval_shape(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)))
     >>> plan = plan_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
     >>> plan.leaf("kernel").spec, plan.leaf("kernel").bytes_per_device
-    (PartitionSpec(None, 'fsdp'), 8192)
+    (P(None, 'fsdp'), 8192)
     """
     rules = _compile_strategy(strategy)
     leaves, treedef = flatten_leaves(state)
@@ -258,7 +258,7 @@ def infer_sharding(
     >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     >>> strategy = [("^kernel$", "shard_dim(axis='fsdp', dim=-1)"), (".*", "replicate")]
     >>> infer_sharding(opt, strategy, mesh)["opt_state"][0]["mu"]["kernel"].spec
-    PartitionSpec(None, 'fsdp')
+    P(None, 'fsdp')
     """
     plan = plan_sharding(state, strategy, mesh, strict=strict)
     return (plan.shardings, plan) if return_plan else plan.shardings

@@ -350,7 +350,7 @@ def calculate_host_mesh_shape(
 
     Raises:
       MeshError: the global shape does not hold ``total_devices *
-        num_processes`` devices, or cannot be split evenly.
+        num_processes`` devices.
 
     >>> calculate_host_mesh_shape((2, 4), total_devices=4, num_processes=2)
     (1, 4)
@@ -366,18 +366,13 @@ def calculate_host_mesh_shape(
             f"{num_processes} processes x {total_devices} devices = "
             f"{total_devices * num_processes}."
         )
+    # Since num_processes divides the product, taking gcds axis by axis always
+    # consumes every prime factor of num_processes.
     remaining = num_processes
     for i, d in enumerate(shape):
         g = math.gcd(d, remaining)
         shape[i] = d // g
         remaining //= g
-        if remaining == 1:
-            break
-    if remaining != 1 or math.prod(shape) != total_devices:
-        raise MeshError(
-            f"cannot split mesh {tuple(global_mesh_shape)} evenly over {num_processes} "
-            f"processes of {total_devices} devices."
-        )
     return tuple(shape)
 
 

@@ -22,7 +22,7 @@ class MeshPartitionHelper:
     >>> helper.analyze_pytree({"w": jax.ShapeDtypeStruct((1024, 4096), "float32")})
     {(1024, 4096): [('fsdp', 'sp'), ('dp',), ('tp',)]}
     >>> helper.create_partition_spec((1024, 4096), [("tp",), ("fsdp",)])
-    PartitionSpec('tp', 'fsdp')
+    P('tp', 'fsdp')
     """
 
     def __init__(self, mesh: Mesh):
@@ -129,7 +129,7 @@ class MeshPartitionHelper:
         >>> helper = MeshPartitionHelper(create_mesh((8,), ("fsdp",)))
         >>> out = helper.auto_shard_pytree({"w": jax.numpy.zeros((2048, 16))})
         >>> out["w"].sharding.spec
-        PartitionSpec('fsdp', None)
+        P('fsdp', None)
         """
         methods = self.analyze_pytree(pytree)
 

@@ -61,7 +61,7 @@ class ShardingRule(abc.ABC):
     ...     def apply(self, pytree):
     ...         return map_arrays(lambda x: PartitionSpec("fsdp"), pytree)
     >>> FirstDim().apply({"w": jax.ShapeDtypeStruct((8, 2), "float32")})
-    {'w': PartitionSpec('fsdp',)}
+    {'w': P('fsdp',)}
     """
 
     @abc.abstractmethod
@@ -83,8 +83,8 @@ class AutoShardingRule(ShardingRule):
 
     >>> from nnx_shard import create_mesh
     >>> rule = AutoShardingRule(create_mesh((2, 4), ("dp", "tp")))
-    >>> rule.apply(jax.ShapeDtypeStruct((6, 8), "float32"))
-    PartitionSpec('dp', 'tp')
+    >>> rule.apply(jax.ShapeDtypeStruct((4, 8), "float32"))
+    P('tp', 'dp')
     """
 
     def __init__(
@@ -125,7 +125,7 @@ class ShapeBasedShardingRule(ShardingRule):
     >>> rule = ShapeBasedShardingRule({(None, 1024): PartitionSpec("tp", None)})
     >>> rule.apply({"a": jax.ShapeDtypeStruct((50, 1024), "float32"),
     ...             "b": jax.ShapeDtypeStruct((50, 512), "float32")})
-    {'a': PartitionSpec('tp', None), 'b': PartitionSpec()}
+    {'a': P('tp', None), 'b': P()}
     """
 
     def __init__(self, shape_patterns: Mapping[tuple[int | None, ...], PartitionSpec]):
@@ -152,9 +152,9 @@ class MemoryConstrainedShardingRule(ShardingRule):
 
     >>> from nnx_shard import create_mesh
     >>> mesh = create_mesh((2, 4), ("dp", "tp"))
-    >>> rule = MemoryConstrainedShardingRule(max_memory_per_device=2**20, mesh=mesh)
+    >>> rule = MemoryConstrainedShardingRule(max_memory_per_device=2**20, mesh=mesh)  # 4 MiB array
     >>> rule.apply(jax.ShapeDtypeStruct((1024, 1024), "float32"))
-    PartitionSpec(('tp', 'dp'), None)
+    P('tp', None)
     """
 
     def __init__(
@@ -197,7 +197,7 @@ class CompositeShardingRule(ShardingRule):
     >>> from nnx_shard import create_mesh
     >>> auto = AutoShardingRule(create_mesh((8,), ("fsdp",)))
     >>> CompositeShardingRule(shape_rule, auto).apply(jax.ShapeDtypeStruct((16, 8), "float32"))
-    PartitionSpec('fsdp', None)
+    P('fsdp', None)
     """
 
     def __init__(self, *rules: ShardingRule):

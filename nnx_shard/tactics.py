@@ -527,17 +527,23 @@ def make_tactic(name: str, *args: Any, **kwargs: Any) -> Tactic:
             f"Register your own with @nnx_shard.register_tactic."
         )
     sig = inspect.signature(factory)
+    shown = ", ".join(
+        p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in sig.parameters.values()
+    )
+    unknown = [k for k in kwargs if k not in sig.parameters]
     try:
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
         sig.bind(*args, **kwargs)
     except TypeError as e:
-        raise TacticArgumentError(f"{name}{sig}: {e}.") from None
+        raise TacticArgumentError(f"{name}(): {e}; it takes {name}({shown}).") from None
     out = factory(*args, **kwargs)
     if isinstance(out, Tactic):
         return out
     if callable(out):
         bound = sig.bind(*args, **kwargs)
-        shown = ", ".join(f"{k}={v!r}" for k, v in bound.arguments.items())
-        return FunctionTactic(out, f"{name}({shown})")
+        given = ", ".join(f"{k}={v!r}" for k, v in bound.arguments.items())
+        return FunctionTactic(out, f"{name}({given})")
     raise TacticArgumentError(
         f"tactic factory {name!r} returned {out!r}; it must return a callable "
         f"(cur_spec, mesh, name, leaf) -> spec."
