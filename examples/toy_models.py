@@ -1,0 +1,61 @@
+"""Small factories for `nnx-shard plan` and the demo: an MLP and a Llama-shaped decoder."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class MLP(nnx.Module):
+    """An embedding, ``depth`` hidden layers and a head."""
+
+    def __init__(self, *, rngs: nnx.Rngs, vocab: int = 512, width: int = 1024, depth: int = 4):
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+        self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = jax.nn.gelu(layer(x))
+        return self.head(x)
+
+
+def mlp(*, rngs: nnx.Rngs, **kwargs: int) -> MLP:
+    return MLP(rngs=rngs, **kwargs)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, d: int, ff: int, rngs: nnx.Rngs):
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.q, self.k, self.v, self.o = lin(d, d), lin(d, d), lin(d, d), lin(d, d)
+        self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.gate, self.up, self.down = lin(d, ff), lin(d, ff), lin(ff, d)
+
+
+class Llama(nnx.Module):
+    """Parameter shapes of a Llama decoder (no forward pass: for layout checks)."""
+
+    def __init__(self, *, rngs: nnx.Rngs, vocab: int, d: int, ff: int, layers: int):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        # One Rngs per layer: a single shared Rngs makes nnx.eval_shape grow
+        # faster than quadratically with depth on flax 0.12.
+        self.layers = nnx.List([DecoderLayer(d, ff, nnx.Rngs(i)) for i in range(layers)])
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.lm_head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+
+def llama(*, rngs: nnx.Rngs, size: str = "7b", layers: int | None = None) -> Llama:
+    """``size`` is "7b" (6.7B parameters) or "tiny"; ``layers`` overrides the depth."""
+    dims = {"7b": (32000, 4096, 11008, 32), "tiny": (256, 64, 128, 2)}[size]
+    vocab, d, ff, n = dims
+    return Llama(rngs=rngs, vocab=vocab, d=d, ff=ff, layers=layers or n)
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+__all__ = ["MLP", "Llama", "jnp", "llama", "mlp", "param_count"]

@@ -1,0 +1,202 @@
+"""The ``nnx-shard`` command line: ``nnx-shard plan`` prints a sharding plan from abstract shapes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Print the sharding plan of a model, its optimizer state and EMA on a mesh,
+from abstract shapes only: nothing is allocated, so a 7B-parameter layout can
+be checked on a laptop.
+
+  nnx-shard plan examples.toy_models:llama --mesh fsdp:8 --devices 8 \\
+      --strategy '[[".*embed.*", "replicate"], [".*", "fsdp(axis=\\"fsdp\\")"]]'
+  nnx-shard plan --config plan.toml
+
+A config file (.toml or .json) may give model, mesh, strategy, model_kwargs,
+optimizer and ema; flags override it. Config files are data: nothing in them
+is executed.
+"""
+
+
+class CLIError(Exception):
+    """Bad command-line input; printed without a traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nnx-shard", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="print the sharding plan of a model + optimizer + EMA")
+    plan.add_argument(
+        "model",
+        nargs="?",
+        help="factory as package.module:function (takes rngs=... if it has that parameter)",
+    )
+    plan.add_argument("--config", help="a .toml or .json file with model, mesh, strategy, ...")
+    plan.add_argument("--mesh", help="mesh as 'fsdp:8' or 'dp:2,tp:4' (names from the string)")
+    plan.add_argument("--strategy", help='JSON list of [regex, tactic] pairs, e.g. \'[[".*", "replicate"]]\'')
+    plan.add_argument("--model-kwargs", default=None, help="JSON object of keyword arguments for the factory")
+    plan.add_argument(
+        "--optimizer",
+        default=None,
+        choices=["adamw", "adam", "sgd", "none"],
+        help="optimizer state to include (default adamw)",
+    )
+    plan.add_argument(
+        "--ema", type=float, default=None, help="EMA decay; 0 to leave the EMA out (default 0.999)"
+    )
+    plan.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="simulate this many CPU devices (a laptop check of a pod layout)",
+    )
+    plan.add_argument("--rows", type=int, default=40, help="leaf rows to print (0: all)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument(
+        "--non-strict", action="store_true", help="replicate leaves no rule matches instead of failing"
+    )
+    return p
+
+
+def _load_config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    file = Path(path)
+    if not file.is_file():
+        raise CLIError(f"config file {path!r} does not exist.")
+    if file.suffix == ".toml":
+        return tomllib.loads(file.read_text())
+    if file.suffix == ".json":
+        return json.loads(file.read_text())
+    raise CLIError(
+        f"config file {path!r}: expected .toml or .json (data only; Python configs would run code)."
+    )
+
+
+def _json_arg(text: str | None, what: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"--{what} is not valid JSON ({e}); got {text!r}.") from None
+
+
+def _import_factory(spec: str) -> Any:
+    if ":" not in spec:
+        raise CLIError(f"model {spec!r}: expected package.module:factory, e.g. examples.toy_models:llama.")
+    module_name, attr = spec.split(":", 1)
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CLIError(f"cannot import {module_name!r} for model {spec!r}: {e}.") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CLIError(f"{module_name!r} has no callable {attr!r}.")
+    return factory
+
+
+def _mesh(text: str) -> Any:
+    from nnx_shard.mesh import DEFAULT_AXIS_NAMES, parse_mesh_from_string
+
+    parts = [p for p in text.split(",") if p.strip()]
+    names = (
+        [p.split(":")[0].strip() for p in parts] if ":" in text else list(DEFAULT_AXIS_NAMES[: len(parts)])
+    )
+    return parse_mesh_from_string(text, names)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    cfg = _load_config(args.config)
+    model_spec = args.model or cfg.get("model")
+    mesh_text = args.mesh or cfg.get("mesh")
+    strategy = _json_arg(args.strategy, "strategy")
+    strategy = cfg.get("strategy") if strategy is None else strategy
+    kwargs = _json_arg(args.model_kwargs, "model-kwargs") or cfg.get("model_kwargs", {})
+    optimizer = args.optimizer or cfg.get("optimizer", "adamw")
+    ema = args.ema if args.ema is not None else cfg.get("ema", 0.999)
+    devices = args.devices or cfg.get("devices")
+    given = (("model", model_spec), ("--mesh", mesh_text), ("--strategy", strategy))
+    missing = [n for n, v in given if v is None]
+    if missing:
+        raise CLIError(f"missing {', '.join(missing)}: give them as arguments or in --config.")
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    import jax
+
+    if devices:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", int(devices))
+    import optax
+    from flax import nnx
+
+    from nnx_shard.inference import plan_sharding
+
+    mesh = _mesh(mesh_text)
+    factory = _import_factory(model_spec)
+    timings["import and mesh"] = time.perf_counter() - t0
+
+    takes_rngs = "rngs" in inspect.signature(factory).parameters
+    tx = {"adamw": optax.adamw(1e-3), "adam": optax.adam(1e-3), "sgd": optax.sgd(1e-3, momentum=0.9)}.get(
+        optimizer
+    )
+
+    def build() -> dict[str, Any]:
+        model = factory(rngs=nnx.Rngs(0), **kwargs) if takes_rngs else factory(**kwargs)
+        out: dict[str, Any] = {"model": model}
+        if tx is not None:
+            out["optimizer"] = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        if ema:
+            out["ema"] = nnx.EMA(model, decay=ema)
+        return out
+
+    t = time.perf_counter()
+    objects = nnx.eval_shape(build)
+    timings["abstract state (nnx.eval_shape)"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = plan_sharding(objects, strategy, mesh, strict=not args.non_strict)
+    timings["infer_sharding"] = time.perf_counter() - t
+
+    if args.json:
+        out = plan.to_dict()
+        out["timings_s"] = timings
+        print(json.dumps(out, indent=1))
+        return 0
+    print(plan.summary())
+    print()
+    print(plan.table(max_rows=args.rows or None))
+    print()
+    total = sum(timings.values())
+    print(f"time {total:.2f}s: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``nnx-shard`` and ``python -m nnx_shard``."""
+    args = _parser().parse_args(argv)
+    from nnx_shard.errors import ShardingError
+
+    try:
+        return run_plan(args)
+    except (CLIError, ShardingError) as e:
+        print(f"nnx-shard: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
