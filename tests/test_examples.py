@@ -1,0 +1,39 @@
+"""Smoke tests: the demo and each benchmark run for a few steps, as a user would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, cwd=ROOT):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_sharding_demo():
+    out = run("examples/sharding_demo.py", "--steps", "3")
+    placed = re.search(r"fullest device holds (.*) \(plan: (.*)\)", out)
+    assert placed and placed.group(1) == placed.group(2), out
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "still P(None, 'fsdp') after training" in out
+
+
+def test_bench_infer_smoke(tmp_path):
+    out_file = tmp_path / "infer.json"
+    run("bench_infer.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    assert result["jax_arrays_allocated"] == 0
+    assert result["leaves"] == 4 * 16 * 4 + 2  # model, mu, nu, EMA per layer, + count and step
+    # 6 kernels under anchored rules, in the model, adam mu and nu, and the EMA.
+    assert result["leaves_matched_by_parameter_path"] == 4 * 6 * 4
