@@ -108,7 +108,9 @@ def main() -> None:
 
     arrays_before = len(jax.live_arrays())
     rss_before = peak_rss_bytes()
-    (shardings, plan), t_ours = timed(lambda: ns.infer_sharding(state, STRATEGY, mesh, return_plan=True), repeats)
+    (_shardings, plan), t_ours = timed(
+        lambda: ns.infer_sharding(state, STRATEGY, mesh, return_plan=True), repeats
+    )
     arrays_after = len(jax.live_arrays())
     _, t_seed = timed(lambda: seed_style(state, mesh), repeats)
 

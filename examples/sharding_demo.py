@@ -64,9 +64,7 @@ def main() -> None:
     print(plan.table(max_rows=14))
 
     # Sharded init: the state is created in place, never whole on one device.
-    init_states = jax.jit(
-        lambda: {k: nnx.state(o) for k, o in create().items()}, out_shardings=shardings
-    )
+    init_states = jax.jit(lambda: {k: nnx.state(o) for k, o in create().items()}, out_shardings=shardings)
     states = init_states()
     model, optimizer, ema = (
         nnx.merge(nnx.graphdef(abstract[k]), states[k]) for k in ("model", "optimizer", "ema")
