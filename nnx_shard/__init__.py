@@ -33,6 +33,7 @@ from nnx_shard.mesh import (
 )
 from nnx_shard.partition_helper import MeshPartitionHelper
 from nnx_shard.paths import Leaf, flatten_state
+from nnx_shard.placement import PlacementError, create_sharded, place_like_target, sharded_init_fn
 from nnx_shard.plan import LeafPlacement, ShardingPlan
 from nnx_shard.rules import (
     AutoShardingRule,
@@ -66,6 +67,7 @@ __all__ = [
     "MeshAxisError",
     "MeshError",
     "MeshPartitionHelper",
+    "PlacementError",
     "ShapeBasedShardingRule",
     "ShardingAnalyzer",
     "ShardingConflictError",
@@ -87,6 +89,7 @@ __all__ = [
     "create_device_mesh",
     "create_mesh",
     "create_monitored_function",
+    "create_sharded",
     "describe_mesh",
     "flatten_state",
     "force_cpu",
@@ -95,9 +98,11 @@ __all__ = [
     "parse_mesh_dims",
     "parse_mesh_from_string",
     "parse_tactic",
+    "place_like_target",
     "plan_sharding",
     "register_tactic",
     "replicate",
     "shard_dim",
+    "sharded_init_fn",
     "spec",
 ]

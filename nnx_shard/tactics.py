@@ -211,20 +211,19 @@ class _Fsdp(Tactic):
 def fsdp(axis: AxisArg, min_size_to_shard_mb: float = 4) -> Tactic:
     """Shards the largest free dimension divisible by the size of ``axis``.
 
-        Leaves of at most ``min_size_to_shard_mb`` MiB, and leaves with no such
-        dimension, stay replicated; the plan notes why.
+    Leaves of at most ``min_size_to_shard_mb`` MiB, and leaves with no such
+    dimension, stay replicated; the plan notes why.
 
-        Args:
-          axis: a mesh axis name, or a tuple of names sharding one dimension together.
-          min_size_to_shard_mb: leaves this small or smaller are not sharded.
+    Args:
+      axis: a mesh axis name, or a tuple of names sharding one dimension together.
+      min_size_to_shard_mb: leaves this small or smaller are not sharded.
 
-        >>> from nnx_shard.mesh import create_mesh
-        >>> from nnx_shard.paths import Leaf
-    from nnx_shard.rules import ShardingRule
-        >>> mesh = create_mesh((8,), ("fsdp",))
-        >>> leaf = Leaf("w", (1024, 4096), "float32")
-        >>> fsdp("fsdp")((None, None), mesh, "w", leaf)
-        (None, 'fsdp')
+    >>> from nnx_shard.mesh import create_mesh
+    >>> from nnx_shard.paths import Leaf
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> leaf = Leaf("w", (1024, 4096), "float32")
+    >>> fsdp("fsdp")((None, None), mesh, "w", leaf)
+    (None, 'fsdp')
     """
     return _Fsdp(axis, min_size_to_shard_mb)
 
@@ -267,12 +266,11 @@ class _ShardDim(Tactic):
 def shard_dim(axis: AxisArg, dim: int) -> Tactic:
     """Shards dimension ``dim`` (negative counts from the end) over ``axis``; raises if it cannot.
 
-        >>> from nnx_shard.mesh import create_mesh
-        >>> from nnx_shard.paths import Leaf
-    from nnx_shard.rules import ShardingRule
-        >>> mesh = create_mesh((2, 4), ("dp", "tp"))
-        >>> shard_dim("tp", -1)((None, None), mesh, "w", Leaf("w", (6, 8), "float32"))
-        (None, 'tp')
+    >>> from nnx_shard.mesh import create_mesh
+    >>> from nnx_shard.paths import Leaf
+    >>> mesh = create_mesh((2, 4), ("dp", "tp"))
+    >>> shard_dim("tp", -1)((None, None), mesh, "w", Leaf("w", (6, 8), "float32"))
+    (None, 'tp')
     """
     return _ShardDim(axis, dim)
 
@@ -297,12 +295,11 @@ class _Spec(Tactic):
 def spec(*entries: SpecEntry) -> Tactic:
     """Sets an explicit PartitionSpec (missing trailing entries are None).
 
-        >>> from nnx_shard.mesh import create_mesh
-        >>> from nnx_shard.paths import Leaf
-    from nnx_shard.rules import ShardingRule
-        >>> mesh = create_mesh((2, 4), ("dp", "tp"))
-        >>> spec("tp")((None, None), mesh, "w", Leaf("w", (8, 3), "float32"))
-        ('tp', None)
+    >>> from nnx_shard.mesh import create_mesh
+    >>> from nnx_shard.paths import Leaf
+    >>> mesh = create_mesh((2, 4), ("dp", "tp"))
+    >>> spec("tp")((None, None), mesh, "w", Leaf("w", (8, 3), "float32"))
+    ('tp', None)
     """
     return _Spec(entries)
 

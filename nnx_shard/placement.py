@@ -1,0 +1,205 @@
+"""Placing state: place_like_target, and sharded init that never materializes a full array."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, Sharding
+
+from nnx_shard.errors import ShardingError
+from nnx_shard.inference import plan_sharding
+from nnx_shard.paths import as_state, is_graph_object, path_to_str
+from nnx_shard.plan import ShardingPlan
+
+
+class PlacementError(ShardingError):
+    """A tree that does not fit its target: structure, shape or dtype."""
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, (nnx.Variable, Sharding)) or x is None
+
+
+def _target_sharding(ref: Any) -> tuple[Sharding | None, tuple[int, ...] | None, Any]:
+    """The sharding, shape and dtype a target leaf asks for (shape/dtype None when unknown)."""
+    if isinstance(ref, nnx.Variable):
+        ref = ref.get_value()
+    if isinstance(ref, Sharding):
+        return ref, None, None
+    sharding = getattr(ref, "sharding", None)
+    shape = getattr(ref, "shape", None)
+    return sharding, None if shape is None else tuple(shape), getattr(ref, "dtype", None)
+
+
+def _flatten(tree: Any) -> tuple[dict[str, Any], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    return {path_to_str(p): v for p, v in flat}, treedef
+
+
+def _put(value: Any, sharding: Sharding) -> jax.Array:
+    """Moves one value onto ``sharding``; host data is cut so each process sends only its shards."""
+    if isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_like_target(tree: Any, target: Any) -> Any:
+    """Puts every leaf of ``tree`` onto the sharding of the matching leaf of ``target``.
+
+    ``tree`` holds numpy arrays, Python scalars or jax arrays on any devices;
+    ``target`` holds jax arrays, abstract arrays carrying ``.sharding``
+    (``jax.ShapeDtypeStruct(..., sharding=...)``) or shardings. Leaves whose
+    value or target has no sharding pass through unchanged. Host data goes
+    through ``jax.make_array_from_callback``, so in a multi-process run each
+    process builds only the shards its own devices hold. Everything is checked
+    before the first transfer, so a mismatch places nothing.
+
+    Args:
+      tree: an ``nnx.State``, a Module (updated in place and returned) or a pytree.
+      target: the same structure, as described above.
+
+    Returns:
+      ``tree`` with its arrays on the target shardings.
+
+    Raises:
+      PlacementError: the structures differ (the first differing paths are
+        named), or a leaf's shape or dtype differs from its target's.
+
+    >>> import numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from nnx_shard import create_mesh
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> out = place_like_target({"w": np.ones((16, 4)), "n": "tag"}, {"w": NamedSharding(mesh, P("fsdp")), "n": None})
+    >>> out["w"].sharding.spec, out["n"]
+    (P('fsdp',), 'tag')
+    """
+    module = tree if is_graph_object(tree) else None
+    values_tree, _ = as_state(tree)
+    target_tree, _ = as_state(target)
+    values, treedef = _flatten(values_tree)
+    targets, _ = _flatten(target_tree)
+    if list(values) != list(targets):
+        missing = [p for p in targets if p not in values][:5]
+        extra = [p for p in values if p not in targets][:5]
+        raise PlacementError(
+            "the tree does not have the target's structure: "
+            + (f"missing {missing}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not in the target {extra}" if extra else "")
+            + ("the same paths in another order" if not missing and not extra else "")
+            + ". Build the target from the same model, optimizer and EMA classes and config."
+        )
+    plan: list[tuple[str, Any, Sharding | None]] = []
+    for path, value in values.items():
+        raw = value.get_value() if isinstance(value, nnx.Variable) else value
+        sharding, shape, dtype = _target_sharding(targets[path])
+        if sharding is None or (
+            not hasattr(raw, "shape") and not isinstance(raw, (int, float, bool, complex))
+        ):
+            plan.append((path, value, None))
+            continue
+        got_shape = tuple(np.shape(raw))
+        if shape is not None and got_shape != shape:
+            raise PlacementError(
+                f"{path!r} has shape {got_shape} but its target has {shape}; the first "
+                f"differing leaf. Check the model config (sizes) matches the target's."
+            )
+        got_dtype = getattr(raw, "dtype", None)
+        if dtype is not None and got_dtype is not None and np.dtype(got_dtype) != np.dtype(dtype):
+            raise PlacementError(
+                f"{path!r} has dtype {got_dtype} but its target has {dtype}. Cast it first "
+                f"(nothing is cast silently)."
+            )
+        plan.append((path, value, sharding))
+    placed: list[Any] = []
+    try:
+        for _, value, sharding in plan:
+            if sharding is None:
+                placed.append(value)
+                continue
+            raw = value.get_value() if isinstance(value, nnx.Variable) else value
+            array = _put(raw, sharding)
+            placed.append(value.replace(array) if isinstance(value, nnx.Variable) else array)
+    except Exception:
+        for x in placed:  # leave nothing half-placed behind
+            arr = x.get_value() if isinstance(x, nnx.Variable) else x
+            if isinstance(arr, jax.Array) and not any(arr is v for _, v, _ in plan):
+                arr.delete()
+        raise
+    out = jax.tree_util.tree_unflatten(treedef, placed)
+    if module is not None:
+        nnx.update(module, out)
+        return module
+    return out
+
+
+def create_sharded(
+    factory: Callable[[], Any],
+    strategy: Sequence[tuple[str, Any]],
+    mesh: Mesh,
+    *,
+    strict: bool = True,
+) -> tuple[Any, ShardingPlan]:
+    """Creates a Module, Optimizer and EMA (or a dict/tuple of them) directly in their shardings.
+
+    The factory runs once abstractly (``nnx.eval_shape``) to infer shardings,
+    then under ``jax.jit(..., out_shardings=...)``, so XLA computes each shard
+    on its own device: no device ever holds an unsharded copy of a sharded
+    array, and the values are bitwise those of an unsharded init.
+
+    Args:
+      factory: builds the objects, e.g. ``lambda: {"model": m, "optimizer": ..., "ema": ...}``.
+      strategy: ``[(regex, tactic), ...]`` as for :func:`nnx_shard.infer_sharding`.
+      mesh: the mesh.
+      strict: as for :func:`nnx_shard.infer_sharding`.
+
+    Returns:
+      ``(objects, plan)``: what ``factory`` returns, placed, and the sharding plan.
+
+    >>> from nnx_shard import create_mesh
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> model, plan = create_sharded(lambda: nnx.Linear(8, 64, rngs=nnx.Rngs(0)),
+    ...                              [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
+    >>> model.kernel.get_value().sharding.spec
+    P(None, 'fsdp')
+    """
+    init, abstract, plan = sharded_init_fn(factory, strategy, mesh, strict=strict)
+    return _merge(abstract, init()), plan
+
+
+def sharded_init_fn(
+    factory: Callable[[], Any],
+    strategy: Sequence[tuple[str, Any]],
+    mesh: Mesh,
+    *,
+    strict: bool = True,
+) -> tuple[Any, Any, ShardingPlan]:
+    """The jitted init behind :func:`create_sharded`, for inspection.
+
+    Returns ``(init, abstract, plan)``: ``init()`` returns the states (lower
+    and compile it to read XLA's ``memory_analysis()``), ``abstract`` is
+    ``nnx.eval_shape(factory)``.
+    """
+    abstract = nnx.eval_shape(factory)
+    plan = plan_sharding(abstract, strategy, mesh, strict=strict)
+    return jax.jit(lambda: _states(factory()), out_shardings=plan.shardings), abstract, plan
+
+
+def _states(objects: Any) -> Any:
+    state, _ = as_state(objects)
+    return state
+
+
+def _merge(abstract: Any, states: Any) -> Any:
+    if is_graph_object(abstract):
+        return nnx.merge(nnx.graphdef(abstract), states)
+    if isinstance(abstract, dict):
+        return {k: _merge(v, states[k]) for k, v in abstract.items()}
+    if isinstance(abstract, (list, tuple)):
+        return type(abstract)(_merge(v, s) for v, s in zip(abstract, states, strict=True))
+    return states
