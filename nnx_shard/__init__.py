@@ -31,6 +31,16 @@ from nnx_shard.mesh import (
     parse_mesh_dims,
     parse_mesh_from_string,
 )
+from nnx_shard.multihost import (
+    BarrierTimeoutError,
+    DistributedNotInitializedError,
+    LocalSliceError,
+    barrier_sync,
+    data_sharding,
+    get_local_slice_from_fsarray,
+    host_local_to_global,
+    make_fsarray_from_local_slice,
+)
 from nnx_shard.partition_helper import MeshPartitionHelper
 from nnx_shard.paths import Leaf, flatten_state
 from nnx_shard.placement import PlacementError, create_sharded, place_like_target, sharded_init_fn
@@ -57,12 +67,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoShardingRule",
+    "BarrierTimeoutError",
     "CompositeShardingRule",
+    "DistributedNotInitializedError",
     "IndivisibleShardingError",
     "InvalidRegexError",
     "InvalidStrategyError",
     "Leaf",
     "LeafPlacement",
+    "LocalSliceError",
     "MemoryConstrainedShardingRule",
     "MeshAxisError",
     "MeshError",
@@ -83,6 +96,7 @@ __all__ = [
     "UnusedRuleWarning",
     "__version__",
     "annotated",
+    "barrier_sync",
     "calculate_host_mesh_shape",
     "cpu_context",
     "create_cpu_mesh",
@@ -90,11 +104,15 @@ __all__ = [
     "create_mesh",
     "create_monitored_function",
     "create_sharded",
+    "data_sharding",
     "describe_mesh",
     "flatten_state",
     "force_cpu",
     "fsdp",
+    "get_local_slice_from_fsarray",
+    "host_local_to_global",
     "infer_sharding",
+    "make_fsarray_from_local_slice",
     "parse_mesh_dims",
     "parse_mesh_from_string",
     "parse_tactic",

@@ -65,3 +65,16 @@ def make_train_state(tx=None):
         return model, opt, nnx.EMA(model, decay=0.99)
 
     return nnx.eval_shape(build)
+
+
+@pytest.fixture
+def multiprocess(tmp_path):
+    """``multiprocess(target, n, devices=2, args=..., deadline_s=...)`` -> (results, seconds)."""
+    from tests.multihost import run_processes
+
+    def run(target, n, devices=2, **kwargs):
+        sub = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        sub.mkdir()
+        return run_processes(target, n, devices, tmp=sub, **kwargs)
+
+    return run
