@@ -37,3 +37,13 @@ def test_bench_infer_smoke(tmp_path):
     assert result["leaves"] == 4 * 16 * 4 + 2  # model, mu, nu, EMA per layer, + count and step
     # 6 kernels under anchored rules, in the model, adam mu and nu, and the EMA.
     assert result["leaves_matched_by_parameter_path"] == 4 * 6 * 4
+
+
+def test_bench_init_smoke(tmp_path):
+    out_file = tmp_path / "init.json"
+    run("bench_init.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    ours, base = result["runs"]["create_sharded"], result["runs"]["init_then_device_put"]
+    assert ours["checksum"] == base["checksum"]
+    assert ours["live_bytes_fullest_device"] == ours["plan_bytes_per_device"]
+    assert ours["mu_spec"] == "P(None, 'fsdp')"
