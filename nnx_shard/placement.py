@@ -68,7 +68,8 @@ def place_like_target(tree: Any, target: Any) -> Any:
 
     Raises:
       PlacementError: the structures differ (the first differing paths are
-        named), or a leaf's shape or dtype differs from its target's.
+        named), a leaf's shape or dtype differs from its target's, or a
+        target lies only on devices this process cannot address.
 
     >>> import numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -114,6 +115,13 @@ def place_like_target(tree: Any, target: Any) -> Any:
             raise PlacementError(
                 f"{path!r} has dtype {got_dtype} but its target has {dtype}. Cast it first "
                 f"(nothing is cast silently)."
+            )
+        if not sharding.addressable_devices:
+            devices = sorted(d.id for d in sharding.device_set)
+            raise PlacementError(
+                f"the target of {path!r} is on devices {devices[:8]}{'...' if len(devices) > 8 else ''}, "
+                f"none of which process {jax.process_index()} can address, so it cannot contribute "
+                f"its data. Build targets on a mesh over jax.devices() (all processes' devices)."
             )
         plan.append((path, value, sharding))
     placed: list[Any] = []

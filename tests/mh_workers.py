@@ -64,7 +64,21 @@ def placement():
         for s in w.addressable_shards
     ]
     total = float(jax.jit(lambda x, b: (x * b).sum())(w, out["b"]))  # a real cross-process reduction
-    return {"global_shape": list(w.shape), "local_shards": shards, "total": total, "tag": out["tag"]}
+    others = [d for d in jax.devices() if d.process_index != jax.process_index()]
+    try:
+        ns.place_like_target(
+            {"w": full}, {"w": NamedSharding(jax.sharding.Mesh(np.array(others), ("x",)), P())}
+        )
+        foreign = "placed"
+    except ns.PlacementError as e:
+        foreign = str(e)
+    return {
+        "global_shape": list(w.shape),
+        "local_shards": shards,
+        "total": total,
+        "tag": out["tag"],
+        "foreign": foreign,
+    }
 
 
 def local_global():

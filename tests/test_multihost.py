@@ -51,6 +51,7 @@ def test_place_like_target_builds_the_global_array(multiprocess):
         assert v["global_shape"] == [8, 12] and v["tag"] == "x"
         assert v["total"] == pytest.approx(float(full.sum() * 2.5))
         assert len(v["local_shards"]) == 4  # each process built only its own devices' shards
+        assert f"none of which process {r.pid} can address" in v["foreign"]
         for shard in v["local_shards"]:
             (r0, r1), (c0, c1) = shard["bounds"]
             np.testing.assert_array_equal(np.asarray(shard["data"]), full[r0:r1, c0:c1])

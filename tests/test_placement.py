@@ -41,6 +41,16 @@ def test_place_numpy_scalars_and_jax_arrays():
     assert [s.data.shape for s in out["a"].addressable_shards] == [(1, 4)] * 8
 
 
+def test_place_jax_array_from_another_mesh():
+    a = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    b = ns.create_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[4:])
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(a, P("fsdp")))
+    out = place_like_target({"x": x}, {"x": NamedSharding(b, P("tp", "dp"))})
+    assert out["x"].sharding == NamedSharding(b, P("tp", "dp"))
+    assert {d.id for d in out["x"].devices()} == {d.id for d in jax.devices()[4:]}
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.arange(64.0).reshape(8, 8))
+
+
 def test_place_state_and_module_from_host_copy():
     mesh = mesh_of("8")
     model = MLP(nnx.Rngs(0))
