@@ -105,9 +105,11 @@ def barrier_sync(name: str | None = None, timeout: float = 200) -> None:
     except Exception as e:  # JaxRuntimeError; its class moved between versions
         if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
             raise
-        raise BarrierTimeoutError(_missing_report(client, barrier_id, shown, timeout, e)) from None
-    finally:
-        client.key_value_set(f"nnx_shard_waiting/{me}", "", allow_overwrite=True)
+        report = _missing_report(client, barrier_id, shown, timeout, e)
+        # Others may still be reporting: say where this process gave up.
+        client.key_value_set(f"nnx_shard_waiting/{me}", f"gave up:{barrier_id}", allow_overwrite=True)
+        raise BarrierTimeoutError(report) from None
+    client.key_value_set(f"nnx_shard_waiting/{me}", "", allow_overwrite=True)
 
 
 def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, error: Exception) -> str:
@@ -128,7 +130,9 @@ def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, er
         # (The service's get_live_nodes would tell the dead from the busy, but
         # it blocks until every live process calls it, so it cannot be used here.)
         at = waiting.get(f"nnx_shard_waiting/{p}", "")
-        if at:
+        if at.startswith("gave up:"):
+            where.append(f"{p} (gave up waiting at {at.removeprefix('gave up:').removeprefix('nnx_shard/')!r})")
+        elif at:
             where.append(f"{p} (waiting at {at.removeprefix('nnx_shard/')!r})")
         else:
             where.append(f"{p} (not at any barrier)")

@@ -23,7 +23,8 @@ def test_barrier_with_mismatched_or_skipped_names_times_out_clearly(multiprocess
     assert "barrier 'save' (id save#0) timed out after 3 s: 2 of 3 processes did not arrive" in p0["message"]
     assert "1 (waiting at 'restore#0')" in p0["message"]
     assert "2 (not at any barrier)" in p0["message"]
-    assert "barrier 'restore'" in p1["message"] and "0 (waiting at 'save#0')" in p1["message"]
+    # Process 0 may already have given up on 'save' when process 1 writes its report.
+    assert "barrier 'restore'" in p1["message"] and "waiting at 'save#0')" in p1["message"]
     assert seconds < 60
 
 
