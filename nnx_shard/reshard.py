@@ -297,7 +297,7 @@ def _ideal(src: dict[Any, Block], dst: dict[Any, Block]) -> int:
     for d, b in dst.items():
         have = src.get(d)
         inter = _intersect(have, b) if have is not None else None
-        missing += _size(b) - (_size(inter) if inter else 0)
+        missing += _size(b) - (_size(inter) if inter is not None else 0)  # () is a 0-d block
     return missing
 
 
@@ -372,6 +372,9 @@ def _plan_array(path: str, x: Any, target: Sharding) -> LeafReshard:
         into_mid = _ideal(src, mid_blocks) * item
         then = sum(_size(b) for d, b in dst.items() if _holder(b, d, mid_blocks) != d) * item
         mid_shard = max(_size(b) for b in mid_blocks.values()) * item
+    # The collective fills replica devices too; take it only when it moves no
+    # more than copying the pieces would (on a CPU, pieces were 5x faster).
+    if cheap and mid is not None and into_mid + then <= ideal:
         return LeafReshard(
             **base,
             route="collective+copy",

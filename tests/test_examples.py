@@ -47,3 +47,13 @@ def test_bench_init_smoke(tmp_path):
     assert ours["checksum"] == base["checksum"]
     assert ours["live_bytes_fullest_device"] == ours["plan_bytes_per_device"]
     assert ours["mu_spec"] == "P(None, 'fsdp')"
+
+
+def test_bench_reshard_smoke(tmp_path):
+    out_file = tmp_path / "reshard.json"
+    run("bench_reshard.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    ours = result["runs"]["nnx_shard.reshard"]
+    assert ours["goes_through_host"] is False
+    assert ours["bytes_moved"] == ours["ideal_bytes"]
+    assert result["runs"]["host round trip"]["goes_through_host"] is True

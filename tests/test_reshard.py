@@ -177,6 +177,16 @@ def test_state_prefix_keys_and_donation():
     assert kernel.is_deleted()  # donated without a copy (jax#18617)
 
 
+def test_scalars_and_keys_count_no_phantom_bytes():
+    src = named(D(), (8,), ("f",))
+    dst = named(D()[:4], (4,), ("f",))
+    tree = {"step": jax.device_put(jnp.int32(3), src), "key": jax.device_put(jax.random.key(0), src)}
+    plan = ns.plan_reshard(tree, dst)
+    assert plan.ideal_bytes == plan.bytes_moved == 0  # every target device already holds them
+    out = ns.reshard(tree, dst)
+    assert int(out["step"]) == 3 and out["key"].sharding == dst
+
+
 def test_donate_deletes_inputs_and_reuses_buffers():
     src = named(D(), (8,), ("f",), "f")
     dst = named(D()[:4], (4,), ("f",), "f")
