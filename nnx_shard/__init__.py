@@ -1,6 +1,15 @@
 """nnx_shard: where every array of a Flax NNX training state lives."""
 
 from nnx_shard.analysis import ShardingAnalyzer, create_monitored_function
+from nnx_shard.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    NoCheckpointError,
+    RestoreReport,
+    abstract_target,
+)
 from nnx_shard.errors import (
     IndivisibleShardingError,
     InvalidStrategyError,
@@ -14,6 +23,7 @@ from nnx_shard.errors import (
     UnknownTacticError,
     UnmatchedLeavesError,
 )
+from nnx_shard.hooks import ShardingHooks, restore_and_reshard
 from nnx_shard.inference import (
     InvalidRegexError,
     UnusedRuleWarning,
@@ -73,12 +83,17 @@ from nnx_shard.tactics import (
     shard_dim,
     spec,
 )
+from nnx_shard.trainer import Trainer, default_config, mesh_from_string
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoShardingRule",
     "BarrierTimeoutError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "Checkpointer",
     "CompositeShardingRule",
     "DistributedNotInitializedError",
     "IndivisibleShardingError",
@@ -92,25 +107,30 @@ __all__ = [
     "MeshAxisError",
     "MeshError",
     "MeshPartitionHelper",
+    "NoCheckpointError",
     "NoIntermediateShardingError",
     "NoIntermediateShardingNeededError",
     "PlacementError",
     "ReshardError",
     "ReshardPlan",
+    "RestoreReport",
     "ShapeBasedShardingRule",
     "ShardingAnalyzer",
     "ShardingConflictError",
     "ShardingError",
+    "ShardingHooks",
     "ShardingPlan",
     "ShardingRule",
     "Tactic",
     "TacticArgumentError",
     "TacticError",
     "TacticSyntaxError",
+    "Trainer",
     "UnknownTacticError",
     "UnmatchedLeavesError",
     "UnusedRuleWarning",
     "__version__",
+    "abstract_target",
     "annotated",
     "barrier_sync",
     "calculate_host_mesh_shape",
@@ -121,6 +141,7 @@ __all__ = [
     "create_monitored_function",
     "create_sharded",
     "data_sharding",
+    "default_config",
     "describe_mesh",
     "find_intermediate_sharding",
     "flatten_state",
@@ -130,6 +151,7 @@ __all__ = [
     "host_local_to_global",
     "infer_sharding",
     "make_fsarray_from_local_slice",
+    "mesh_from_string",
     "parse_mesh_dims",
     "parse_mesh_from_string",
     "parse_tactic",
@@ -140,6 +162,7 @@ __all__ = [
     "replicate",
     "reshard",
     "reshard_with_intermediate_sharding",
+    "restore_and_reshard",
     "shard_dim",
     "sharded_init_fn",
     "spec",

@@ -131,7 +131,9 @@ def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, er
         # it blocks until every live process calls it, so it cannot be used here.)
         at = waiting.get(f"nnx_shard_waiting/{p}", "")
         if at.startswith("gave up:"):
-            where.append(f"{p} (gave up waiting at {at.removeprefix('gave up:').removeprefix('nnx_shard/')!r})")
+            where.append(
+                f"{p} (gave up waiting at {at.removeprefix('gave up:').removeprefix('nnx_shard/')!r})"
+            )
         elif at:
             where.append(f"{p} (waiting at {at.removeprefix('nnx_shard/')!r})")
         else:

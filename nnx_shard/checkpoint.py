@@ -1,0 +1,307 @@
+"""Checkpoints over Orbax's CheckpointManager: save with metadata, restore straight into target shardings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard.errors import ShardingError
+from nnx_shard.mesh import describe_mesh
+from nnx_shard.paths import as_state, path_to_str
+
+
+class CheckpointError(ShardingError):
+    """Base class of checkpoint errors; the live state is left as it was."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No checkpoint, or not the asked-for step, in the directory."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another structure than the state restored into."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint that cannot be read (corrupted or incomplete)."""
+
+
+def _version() -> str:
+    from nnx_shard import __version__
+
+    return __version__
+
+
+def describe_strategy(strategy: Sequence[tuple[str, Any]] | None) -> list[list[str]] | None:
+    """A JSON-ready copy of a strategy: ``[[regex, tactic text], ...]``."""
+    if strategy is None:
+        return None
+    return [[str(p), t if isinstance(t, str) else str(t)] for p, t in strategy]
+
+
+def mesh_metadata(mesh: Mesh | None) -> dict[str, Any]:
+    """What a checkpoint records about where it was saved."""
+    out: dict[str, Any] = {"devices": jax.device_count(), "processes": jax.process_count()}
+    if mesh is not None:
+        out["mesh_axis_names"] = list(mesh.axis_names)
+        out["mesh_shape"] = [int(s) for s in mesh.devices.shape]
+        out["mesh"] = describe_mesh(mesh)
+    return out
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def abstract_target(state: Any, shardings: Any) -> Any:
+    """Abstract arrays carrying the target shardings, for Orbax to restore straight into.
+
+    ``state`` may be live or abstract (``nnx.eval_shape``) Modules, States or
+    pytrees; ``shardings`` is :func:`nnx_shard.infer_sharding`'s output for it.
+    Nothing is allocated.
+
+    >>> from nnx_shard import create_mesh, infer_sharding
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 16, rngs=nnx.Rngs(0)))
+    >>> target = abstract_target(model, infer_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh))
+    >>> target["kernel"].get_value().sharding.spec
+    P(None, 'fsdp')
+    """
+    states, _ = as_state(state)
+
+    def one(sharding: Any, leaf: Any) -> Any:
+        value = leaf.get_value() if _is_var(leaf) else leaf
+        if sharding is None or not hasattr(value, "shape"):
+            return leaf
+        sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return leaf.replace(sds) if _is_var(leaf) else sds
+
+    return jax.tree.map(one, shardings, states, is_leaf=lambda x: x is None)
+
+
+def _paths(tree: Any) -> dict[str, Any]:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]
+    out = {}
+    for keypath, leaf in flat:
+        path = path_to_str(keypath)
+        value = leaf.get_value() if _is_var(leaf) else leaf
+        out[path.removesuffix("/value")] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+    """What a restore did: which step, from where, onto what."""
+
+    step: int
+    saved: dict[str, Any]
+    devices: int
+    processes: int
+    mesh: str
+
+    def __str__(self) -> str:
+        saved_mesh = self.saved.get("mesh", "?")
+        saved_procs = self.saved.get("processes", 1)
+        where = f"{self.saved.get('devices', '?')} devices ({saved_mesh})"
+        if saved_procs != 1 or self.processes != 1:
+            where += f" in {saved_procs} processes"
+        onto = f"{self.devices} devices ({self.mesh})"
+        if saved_procs != 1 or self.processes != 1:
+            onto += f" in {self.processes} processes"
+        return f"restored step {self.step}, saved on {where}, onto {onto}"
+
+
+class Checkpointer:
+    """Saves and restores a model + optimizer + EMA with Orbax, resharding on restore.
+
+    Async by default; keeps the last ``max_to_keep`` steps, or the best
+    ``max_to_keep`` by ``best_metric``. Each checkpoint records the mesh axis
+    names and shape, device and process counts, the strategy and the package
+    version. Orbax writes to a temporary directory and renames it when
+    complete, so an interrupted save never replaces the last good checkpoint.
+
+    Args:
+      directory: where checkpoints go (created if needed).
+      max_to_keep: how many to keep (None: all).
+      best_metric: keep the best ``max_to_keep`` by this key of ``metrics``.
+      best_mode: ``"min"`` or ``"max"`` for ``best_metric``.
+      async_save: write in the background (``wait_until_finished`` to block).
+
+    >>> import tempfile
+    >>> from nnx_shard import create_mesh
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> ckpt = Checkpointer(tempfile.mkdtemp(), async_save=False)
+    >>> model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    >>> ckpt.save(1, {"model": model}, mesh=mesh)
+    True
+    >>> ckpt.latest_step(), ckpt.metadata(1)["devices"]
+    (1, 8)
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = 3,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+    ):
+        if best_mode not in ("min", "max"):
+            raise CheckpointError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            best_fn=(lambda m: float(m[best_metric])) if best_metric else None,
+            best_mode=best_mode,
+            keep_checkpoints_without_metrics=best_metric is None,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
+        # Named handlers, so a fresh process can read metadata before restoring.
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
+
+    def save(
+        self,
+        step: int,
+        objects: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        mesh: Mesh | None = None,
+        strategy: Sequence[tuple[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves ``{"model": ..., "optimizer": ..., "ema": ...}`` (objects or States) at ``step``.
+
+        Returns whether a save was started (Orbax may skip a step it already has).
+        """
+        states = {
+            k: nnx.state(v) if not isinstance(v, nnx.State) and _has_graph(v) else v
+            for k, v in objects.items()
+        }
+        meta = {
+            "step": int(step),
+            "nnx_shard_version": _version(),
+            "strategy": describe_strategy(strategy),
+            **mesh_metadata(mesh),
+            **(dict(extra) if extra else {}),
+        }
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(states), meta=ocp.args.JsonSave(meta)),
+            metrics=dict(metrics) if metrics is not None else None,
+            force=force,
+        )
+
+    def wait_until_finished(self) -> None:
+        """Blocks until a background save is on disk."""
+        self._manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def best_step(self) -> int | None:
+        return self._manager.best_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
+        self._check_step(step)
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def _check_step(self, step: int | None) -> int:
+        self._manager.reload()
+        steps = self.all_steps()
+        if not steps:
+            raise NoCheckpointError(f"no checkpoint in {self.directory}; save one first, or check the path.")
+        if step is None:
+            return max(steps)
+        if step not in steps:
+            raise NoCheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; the steps there are {steps}."
+            )
+        return step
+
+    def check_structure(self, step: int, target: Any) -> None:
+        """Raises CheckpointMismatchError naming the paths and shapes that differ."""
+        try:
+            saved_tree = self._manager.item_metadata(step)["state"]
+        except Exception as e:
+            raise self._corrupt(step, e) from None
+        saved = _paths(saved_tree)
+        wanted = {p: v for p, v in _paths(target).items() if hasattr(v, "shape")}
+        missing = sorted(set(wanted) - set(saved))
+        extra = sorted(set(saved) - set(wanted))
+        shapes = [
+            f"{p}: saved {tuple(saved[p].shape)}, expected {tuple(wanted[p].shape)}"
+            for p in sorted(set(saved) & set(wanted))
+            if tuple(getattr(saved[p], "shape", ())) != tuple(wanted[p].shape)
+        ]
+        if missing or extra or shapes:
+            parts = []
+            if missing:
+                parts.append(f"not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            if extra:
+                parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            if shapes:
+                parts.append(
+                    f"shapes differ in {len(shapes)} leaves: {shapes[:8]}{' ...' if len(shapes) > 8 else ''}"
+                )
+            raise CheckpointMismatchError(
+                f"step {step} in {self.directory} holds another structure than the state restored into; "
+                + "; ".join(parts)
+                + ". Build the model, optimizer and EMA with the config they were saved with."
+            )
+
+    def restore(self, step: int | None, target: Any) -> tuple[int, Any]:
+        """Reads ``step`` (default: the latest) straight into ``target``'s shardings.
+
+        Args:
+          step: the step, or None for the latest.
+          target: :func:`abstract_target` output: abstract arrays with shardings.
+
+        Returns:
+          ``(step, states)``; nothing live is touched.
+
+        Raises:
+          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
+        """
+        step = self._check_step(step)
+        self.check_structure(step, target)
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as e:
+            raise self._corrupt(step, e) from None
+        return step, out["state"]
+
+    def _corrupt(self, step: int, error: Exception) -> CheckpointCorruptError:
+        others = [s for s in self.all_steps() if s != step]
+        detail = str(error).splitlines()[0][:300] if str(error) else ""
+        return CheckpointCorruptError(
+            f"step {step} in {self.directory} could not be read ({type(error).__name__}: {detail}); "
+            f"it is incomplete or corrupted. Nothing live was changed. Other steps: {others}."
+        )
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def _has_graph(x: Any) -> bool:
+    from nnx_shard.paths import is_graph_object
+
+    return is_graph_object(x)

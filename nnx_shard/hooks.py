@@ -1,0 +1,245 @@
+"""ShardingHooks: an NNX model + optimizer + EMA placed on init and on every restore, by themselves."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard.checkpoint import Checkpointer, CheckpointError, RestoreReport, abstract_target
+from nnx_shard.inference import plan_sharding
+from nnx_shard.mesh import describe_mesh
+from nnx_shard.multihost import barrier_sync
+from nnx_shard.paths import is_graph_object
+from nnx_shard.placement import create_sharded
+from nnx_shard.plan import ShardingPlan
+from nnx_shard.reshard import reshard
+
+logger = logging.getLogger("nnx_shard")
+
+
+class ShardingHooks:
+    """Keeps a model, its ``nnx.Optimizer`` and its EMA on the shardings one strategy infers.
+
+    ``on_init`` creates them already sharded (or moves given ones into
+    place); ``on_restore`` brings state that Orbax (or anything else) loaded,
+    on any mesh, on the host or as numpy, onto the current mesh, donatable,
+    and updates the live objects. Both end with a named :func:`barrier_sync`.
+    The EMA and every optimizer slot follow their parameter's sharding.
+
+    Args:
+      strategy: ``[(regex, tactic), ...]`` written against the model's parameter paths.
+      mesh: the current mesh.
+      strict: as for :func:`nnx_shard.infer_sharding`.
+      barrier_timeout: seconds for the barriers after init and restore.
+
+    >>> import optax
+    >>> from nnx_shard import create_mesh
+    >>> hooks = ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+    >>> def create():
+    ...     model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
+    ...     return {"model": model, "optimizer": nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+    ...             "ema": nnx.EMA(model, decay=0.9)}
+    >>> objects = hooks.on_init(create)
+    >>> objects["ema"].params["kernel"].get_value().sharding.spec
+    P(None, 'fsdp')
+    """
+
+    def __init__(
+        self,
+        strategy: Sequence[tuple[str, Any]],
+        mesh: Mesh,
+        *,
+        strict: bool = True,
+        barrier_timeout: float = 200.0,
+    ):
+        self.strategy = strategy
+        self.mesh = mesh
+        self.strict = strict
+        self.barrier_timeout = barrier_timeout
+        self.objects: dict[str, Any] | None = None
+        self.plan: ShardingPlan | None = None
+
+    @property
+    def shardings(self) -> Any:
+        """The inferred shardings of the live objects (a dict of States)."""
+        if self.plan is None:
+            raise CheckpointError("no objects yet: call on_init first.")
+        return self.plan.shardings
+
+    def on_init(
+        self,
+        create: Callable[[], Mapping[str, Any]] | None = None,
+        *,
+        objects: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Creates the objects sharded from ``create()``, or moves existing ``objects`` into place.
+
+        Args:
+          create: returns ``{"model": ..., "optimizer": ..., "ema": ...}``; run
+            abstractly, then under jit so no device holds an unsharded array.
+          objects: existing objects to move onto the inferred shardings instead.
+
+        Returns:
+          The live objects.
+        """
+        if (create is None) == (objects is None):
+            raise CheckpointError(
+                "on_init takes exactly one of create= (a factory) or objects= (live objects)."
+            )
+        if create is not None:
+            made, self.plan = create_sharded(create, self.strategy, self.mesh, strict=self.strict)
+            self.objects = dict(made)
+        else:
+            self.objects = dict(objects)
+            self.plan = plan_sharding(self.objects, self.strategy, self.mesh, strict=self.strict)
+            self._update(reshard(self._states(), self.plan.shardings, donate=True))
+        barrier_sync("nnx_shard/on_init", timeout=self.barrier_timeout)
+        return self.objects
+
+    def _states(self) -> dict[str, Any]:
+        return {k: nnx.state(v) if is_graph_object(v) else v for k, v in self.objects.items()}
+
+    def _update(self, states: Mapping[str, Any]) -> None:
+        for key, state in states.items():
+            if is_graph_object(self.objects[key]):
+                nnx.update(self.objects[key], state)
+            else:
+                self.objects[key] = state
+
+    def on_restore(self, restored: Mapping[str, Any]) -> None:
+        """Puts loaded state onto the current shardings and into the live objects.
+
+        ``restored`` maps the same keys as the objects to States, pure dicts
+        (``nnx.to_pure_dict``) or numpy trees, on any mesh or on the host.
+        Arrays on devices are resharded (no host round trip); host data is
+        placed shard by shard. The results own their buffers, so the next
+        jitted step can donate them.
+        """
+        if self.objects is None:
+            raise CheckpointError("no live objects to restore into: call on_init first.")
+        unknown = sorted(set(restored) - set(self.objects))
+        if unknown:
+            raise CheckpointError(
+                f"restored keys {unknown} are not among the objects {sorted(self.objects)}."
+            )
+        live = self._states()
+        incoming = {}
+        for key, value in restored.items():
+            if isinstance(value, nnx.State) or is_graph_object(value):
+                incoming[key] = nnx.state(value) if is_graph_object(value) else value
+            else:  # a pure dict: put its values into the live structure
+                template = jax.tree.map(lambda x: x, live[key])
+                nnx.replace_by_pure_dict(template, value)
+                incoming[key] = template
+        shardings = {k: self.shardings[k] for k in incoming}
+        self._update(reshard(incoming, shardings, donate=False))
+        barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
+
+    def restore_and_reshard(
+        self, checkpointer: Checkpointer, *, step: int | None = None, free_live: bool = False
+    ) -> RestoreReport:
+        """Restores ``step`` (default: the latest) from ``checkpointer`` onto the current devices.
+
+        The read goes straight into the shardings inferred for the current
+        mesh, whatever the device and process counts were at save time. A
+        restore that fails leaves the live objects as they were, unless
+        ``free_live`` asked to free them first (to keep the peak low).
+        """
+        if self.objects is None:
+            raise CheckpointError("no live objects to restore into: call on_init first.")
+        target = abstract_target(self._states(), self.shardings)
+        step = checkpointer._check_step(step)
+        checkpointer.check_structure(step, target)
+        saved = checkpointer.metadata(step)
+        if free_live:
+            for x in jax.tree.leaves(self._states()):
+                if isinstance(x, jax.Array):
+                    x.delete()
+        try:
+            step, states = checkpointer.restore(step, target)
+        except CheckpointError:
+            if free_live:
+                logger.error(
+                    "restore of step %s failed after the live state was freed (free_live=True)", step
+                )
+            raise
+        _check_placed(states, self.shardings)
+        self._update(states)  # Orbax's arrays own their buffers: donatable (tested)
+        barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)
+        report = RestoreReport(
+            step=step,
+            saved=saved,
+            devices=int(self.mesh.devices.size),
+            processes=jax.process_count(),
+            mesh=describe_mesh(self.mesh),
+        )
+        logger.info("%s", report)
+        return report
+
+    def save(
+        self, checkpointer: Checkpointer, step: int, *, metrics: Mapping[str, float] | None = None
+    ) -> bool:
+        """Saves the live objects with this mesh and strategy in the metadata."""
+        if self.objects is None:
+            raise CheckpointError("no live objects to save: call on_init first.")
+        return checkpointer.save(
+            step, self._states(), metrics=metrics, mesh=self.mesh, strategy=self.strategy
+        )
+
+
+def _check_placed(states: Any, shardings: Any) -> None:
+    """Refuses a restore that did not land exactly on the target (never keep an old device subset)."""
+    pairs = jax.tree.leaves(
+        jax.tree.map(
+            lambda s, x: (s, x),
+            shardings,
+            states,
+            is_leaf=lambda v: v is None,
+        ),
+        is_leaf=lambda v: isinstance(v, tuple) and len(v) == 2,
+    )
+    for s, sub in pairs:
+        for x in jax.tree.leaves(sub):
+            if s is not None and isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(s, x.ndim):
+                raise CheckpointError(f"a restored array landed on {x.sharding}, not on the target {s}.")
+
+
+def restore_and_reshard(
+    checkpointer: Checkpointer | str,
+    objects: Mapping[str, Any],
+    strategy: Sequence[tuple[str, Any]],
+    mesh: Mesh,
+    *,
+    step: int | None = None,
+    state: Mapping[str, Any] | None = None,
+    free_live: bool = False,
+) -> RestoreReport | None:
+    """Restores a checkpoint (or a state already loaded with Orbax) onto the current mesh.
+
+    Args:
+      checkpointer: a :class:`Checkpointer` or its directory.
+      objects: the live ``{"model": ..., "optimizer": ..., "ema": ...}``, updated in place.
+      strategy: the sharding strategy for the current mesh.
+      mesh: the current mesh.
+      step: the step to restore (default: the latest).
+      state: a state already loaded (any mesh, host or numpy) to place instead of reading.
+      free_live: free the live arrays before reading, to keep the peak low.
+
+    Returns:
+      What happened, e.g. ``restored step 300, saved on 8 devices (fsdp=8), onto 4
+      devices (fsdp=4)``; None when ``state`` was given.
+    """
+    hooks = ShardingHooks(strategy, mesh)
+    hooks.objects = dict(objects)
+    hooks.plan = plan_sharding(hooks.objects, strategy, mesh)
+    if state is not None:
+        hooks.on_restore(state)
+        return None
+    if not isinstance(checkpointer, Checkpointer):
+        checkpointer = Checkpointer(checkpointer)
+    return hooks.restore_and_reshard(checkpointer, step=step, free_live=free_live)

@@ -1,0 +1,237 @@
+"""The Trainer the way users hit it: save on 8 devices, resume on 4, 2, 1 and on 2 processes, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import nnx_shard as ns
+from tests.trainer_app import RegressionTrainer, batch_for, config, digest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run on 8 devices: 12 steps, a synchronous checkpoint at step 6."""
+    workdir = tmp_path_factory.mktemp("ref")
+    trainer = RegressionTrainer(config(str(workdir)))
+    trainer.train(batch_for, steps=6)
+    trainer.save()
+    trainer.checkpointer.wait_until_finished()
+    saved = digest(trainer)
+    history = trainer.train(batch_for)
+    return {
+        "workdir": str(workdir),
+        "digest": saved,
+        "losses": [h["loss"] for h in history],
+        "trainer": trainer,
+    }
+
+
+def resume_in_subprocess(workdir, devices):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run(
+        [sys.executable, "tests/trainer_app.py", workdir, str(devices), "6"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_reference_learns(reference):
+    losses = reference["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    meta = reference["trainer"].checkpointer.metadata(6)
+    assert meta["devices"] == 8 and meta["mesh"] == "fsdp=8" and meta["mesh_axis_names"] == ["fsdp"]
+    assert meta["strategy"][1] == [".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)"]
+    assert meta["nnx_shard_version"] == ns.__version__ and meta["processes"] == 1
+
+
+@pytest.mark.parametrize("devices", [4, 2, 1])
+def test_resume_on_fewer_devices(reference, devices):
+    out = resume_in_subprocess(reference["workdir"], devices)
+    assert (
+        out["report"]
+        == f"restored step 6, saved on 8 devices (fsdp=8), onto {devices} devices ({'fsdp=' + str(devices) if devices > 1 else '1 device'})"
+    )
+    assert out["digest"] == reference["digest"]  # bitwise: model, optimizer, EMA
+    assert out["kernel_mesh"] == {"fsdp": devices}  # never the old device subset
+    np.testing.assert_allclose(out["losses"], reference["losses"], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.multihost
+def test_resume_on_two_processes(reference, multiprocess):
+    results, _ = multiprocess(
+        "tests.trainer_app:resume", 2, devices=2, args={"workdir": reference["workdir"], "step": 6}
+    )
+    for r in results:
+        v = r.ok()
+        assert (
+            v["report"]
+            == "restored step 6, saved on 8 devices (fsdp=8) in 1 processes, onto 4 devices (fsdp=4) in 2 processes"
+        )
+        assert v["digest"] == reference["digest"]
+        np.testing.assert_allclose(v["losses"], reference["losses"], rtol=2e-5, atol=1e-6)
+
+
+def test_mismatched_model_raises_and_leaves_live_state(reference, tmp_path):
+    trainer = RegressionTrainer({**config(reference["workdir"]), "width": 32})
+    trainer.init()
+    before = digest(trainer)
+    with pytest.raises(ns.CheckpointMismatchError) as e:
+        trainer.restore_and_reshard(6)
+    text = str(e.value)
+    assert "shapes differ in " in text and "ema/params/l1/kernel: saved (8, 64), expected (8, 32)" in text
+    assert digest(trainer) == before and trainer.step == 0
+
+
+def test_no_checkpoint_and_missing_step(tmp_path, reference):
+    with pytest.raises(ns.NoCheckpointError, match="no checkpoint in"):
+        RegressionTrainer(config(str(tmp_path / "empty"))).restore_and_reshard()
+    with pytest.raises(
+        ns.NoCheckpointError, match=r"no checkpoint for step 7 .* the steps there are \[6, 12\]"
+    ):
+        RegressionTrainer(config(reference["workdir"])).restore_and_reshard(7)
+
+
+def test_corrupted_checkpoint_leaves_live_state_and_other_steps(reference, tmp_path):
+    import shutil
+
+    workdir = tmp_path / "copy"
+    shutil.copytree(reference["workdir"], workdir)
+    for f in (workdir / "checkpoints" / "12" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "metadata" not in f.name and "manifest" not in f.name:
+            f.write_bytes(b"\0" * 8)  # truncate the array data
+    trainer = RegressionTrainer(config(str(workdir)))
+    trainer.init()
+    before = digest(trainer)
+    with pytest.raises(
+        ns.CheckpointCorruptError, match=r"step 12 .* could not be read .* Other steps: \[6\]"
+    ):
+        trainer.restore_and_reshard(12)
+    assert digest(trainer) == before
+    assert "restored step 6" in str(trainer.restore_and_reshard(6))
+
+
+def test_restored_state_is_donatable_and_trains(reference, tmp_path):
+    trainer = RegressionTrainer(config(reference["workdir"]))
+    trainer.restore_and_reshard(6)
+    kernel = trainer.states["model"]["l1"]["kernel"].get_value()
+    trainer.train(batch_for, steps=1)
+    assert kernel.is_deleted()  # the jitted step took the restored buffer without a copy
+
+
+def test_keep_last_n_and_best_n(tmp_path):
+    trainer = RegressionTrainer(
+        {**config(str(tmp_path / "last")), "keep": 2, "save_every": 2, "async_checkpoint": False}
+    )
+    trainer.train(batch_for, steps=8)
+    assert trainer.checkpointer.all_steps() == [6, 8]
+    best = ns.Checkpointer(
+        tmp_path / "best", max_to_keep=2, best_metric="loss", best_mode="min", async_save=False
+    )
+    objects = trainer.objects()
+    for step, loss in [(1, 0.5), (2, 0.1), (3, 0.9), (4, 0.2)]:
+        best.save(step, objects, metrics={"loss": loss})
+    assert sorted(best.all_steps()) == [2, 4] and best.best_step() == 2
+
+
+def test_on_restore_from_numpy_and_from_another_mesh(reference):
+    trainer = RegressionTrainer(config(reference["workdir"]))
+    trainer.init()
+    source = reference["trainer"]
+    hooks = trainer.hooks
+    hooks.objects = trainer.objects()
+    host = {k: jax.tree.map(np.asarray, nnx_pure(v)) for k, v in source.objects().items()}
+    hooks.on_restore(host)
+    leaves = dict(ns.flatten_state(hooks.objects["model"]))
+    assert dict(leaves["l1/kernel"].get_value().sharding.mesh.shape) == {"fsdp": 8}
+    np.testing.assert_array_equal(np.asarray(leaves["l1/kernel"].get_value()), host["model"]["l1"]["kernel"])
+    mesh4 = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    other = ns.ShardingHooks(reference["trainer"].hooks.strategy, mesh4)
+    other.on_init(objects=RegressionTrainer(config(reference["workdir"], mesh="fsdp:8")).objects())
+    other.on_restore({k: v for k, v in source.states.items()})
+    got = other.objects["model"].l2.kernel.get_value()
+    assert dict(got.sharding.mesh.shape) == {"fsdp": 4}
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(source.states["model"]["l2"]["kernel"].get_value())
+    )
+
+
+def nnx_pure(obj):
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.state(obj))
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+        "import jax\n"
+        "jax.config.update('jax_num_cpu_devices', 4)\n"
+        "from tests.trainer_app import RegressionTrainer, batch_for, config\n"
+        f"t = RegressionTrainer(config({str(tmp_path / 'w')!r}, total_steps=100000))\n"
+        "t.train(batch_for)\n"
+        "print('exited at', t.step, flush=True)\n"
+    )
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "w" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and p.poll() is None, (
+            p.stderr.read() if p.poll() is not None else "no progress"
+        )
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    step = int(out.split("exited at")[1])
+    ckpt = ns.Checkpointer(tmp_path / "w" / "checkpoints")
+    assert ckpt.latest_step() == step and 3 <= step < 100000
+
+
+def test_kill_during_async_save_keeps_the_previous_step(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+        "import jax\n"
+        "jax.config.update('jax_num_cpu_devices', 4)\n"
+        "from tests.trainer_app import RegressionTrainer, batch_for, config\n"
+        f"t = RegressionTrainer(config({str(tmp_path / 'w')!r}, width=1024))\n"
+        "t.train(batch_for, steps=2)\n"  # ends with a save of step 2, waited for
+        "t.step = 3\n"
+        "t.save()\n"  # async: returns while the writes go on
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    ckpt = ns.Checkpointer(tmp_path / "w" / "checkpoints")
+    assert ckpt.all_steps() == [2]
+    trainer = RegressionTrainer(config(str(tmp_path / "w"), width=1024))
+    assert str(trainer.restore_and_reshard()).startswith("restored step 2, saved on 4 devices")

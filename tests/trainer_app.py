@@ -1,0 +1,105 @@
+"""A small Trainer subclass the tests run in this process and in fresh ones (save here, restore there)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import nnx_shard as ns
+
+STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, width: int = 64):
+        self.l1 = nnx.Linear(8, width, rngs=rngs)
+        self.l2 = nnx.Linear(width, width, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.tanh(self.l2(jax.nn.tanh(self.l1(x)))))
+
+
+class RegressionTrainer(ns.Trainer):
+    def create_model(self, rngs):
+        return MLP(rngs, width=self.config.get("width", 64))
+
+    def create_optimizer(self):
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+    def loss_fn(self, model, batch):
+        pred = model(batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2), {"mae": jnp.mean(jnp.abs(pred - batch["y"]))}
+
+
+def batch_for(step: int, rows: int = 16) -> dict[str, np.ndarray]:
+    """The global batch of a step, the same in every run; each process takes its own rows."""
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(rows, 8)).astype(np.float32)
+    y = np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)
+    n, i = jax.process_count(), jax.process_index()
+    per = rows // n
+    return {"x": x[i * per : (i + 1) * per], "y": y[i * per : (i + 1) * per]}
+
+
+def config(workdir: str, mesh: str = "fsdp:-1", **extra) -> dict:
+    return {
+        "mesh": mesh,
+        "sharding_strategy": STRATEGY,
+        "workdir": workdir,
+        "log_every": 1,
+        "progress": "off",
+        "total_steps": 12,
+        **extra,
+    }
+
+
+def digest(trainer: ns.Trainer) -> str:
+    """A hash of every array of model, optimizer and EMA, gathered to the host (bitwise)."""
+    from jax.experimental import multihost_utils
+
+    h = hashlib.sha256()
+    flat = jax.tree_util.tree_flatten_with_path(trainer.states)[0]
+    for path, x in sorted(flat, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        host = (
+            np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            if jax.process_count() > 1
+            else np.asarray(x)
+        )
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(host.tobytes())
+    return h.hexdigest()
+
+
+def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: int = 12):
+    """Worker: restore onto this process's devices, report the restore, digest and later losses."""
+    trainer = RegressionTrainer(config(workdir, mesh, total_steps=until))
+    report = trainer.restore_and_reshard(step)
+    restored = digest(trainer)
+    kernel = trainer.states["model"]["l2"]["kernel"].get_value()
+    history = trainer.train(batch_for)
+    return {
+        "report": str(report),
+        "digest": restored,
+        "devices": jax.device_count(),
+        "kernel_spec": str(kernel.sharding.spec),
+        "kernel_mesh": dict(kernel.sharding.mesh.shape),
+        "losses": [h["loss"] for h in history],
+    }
+
+
+if __name__ == "__main__":  # python tests/trainer_app.py WORKDIR DEVICES [STEP]: resume in a fresh process
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.pop("XLA_FLAGS", None)
+    jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
+    print(json.dumps(resume(sys.argv[1], step=int(sys.argv[3]) if len(sys.argv) > 3 else None)))
