@@ -57,3 +57,19 @@ def test_bench_reshard_smoke(tmp_path):
     assert ours["goes_through_host"] is False
     assert ours["bytes_moved"] == ours["ideal_bytes"]
     assert result["runs"]["host round trip"]["goes_through_host"] is True
+
+
+def test_bench_step_smoke(tmp_path):
+    out_file = tmp_path / "step.json"
+    run("bench_step.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    assert result["trainer_step_ms"] > 0 and result["hand_jit_step_ms"] > 0
+
+
+def test_bench_restore_smoke(tmp_path):
+    out_file = tmp_path / "restore.json"
+    run("bench_restore.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    ours = result["runs"]["nnx_shard"]
+    assert ours["kernel_mesh"] == {"fsdp": 4}
+    assert ours["report"] == "restored step 1, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"

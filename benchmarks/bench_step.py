@@ -1,0 +1,118 @@
+"""A Trainer step against a hand-written jax.jit step with the same shardings, in one run.
+
+Question: does the Trainer add anything to the cost of a step? Both loops get the same
+pre-placed global batch, the same model, adamw and EMA on the same shardings with the state
+donated; metrics are fetched only at the end. Target: ratio <= 1.03.
+
+    python benchmarks/bench_step.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from common import machine, simulate_devices, write_json
+
+simulate_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import nnx_shard as ns  # noqa: E402
+
+STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, width, depth):
+        self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.gelu(layer(x))
+        return x
+
+
+class Bench(ns.Trainer):
+    def create_model(self, rngs):
+        return MLP(rngs, self.config.width, self.config.depth)
+
+    def create_optimizer(self):
+        return optax.adamw(1e-3)
+
+    def loss_fn(self, model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def hand_written(trainer, batch):
+    """What a user writes without nnx_shard: the same objects, split, jitted and donated by hand."""
+    objects = trainer._create()
+    shardings = trainer.hooks.shardings
+    graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+    states = jax.device_put({k: nnx.state(v) for k, v in objects.items()}, shardings)
+
+    def step(states, batch):
+        model = nnx.merge(graphdefs["model"], states["model"])
+        opt = nnx.merge(graphdefs["optimizer"], states["optimizer"])
+        ema = nnx.merge(graphdefs["ema"], states["ema"])
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+        opt.update(model, grads)
+        ema.update(model)
+        return {"model": nnx.state(model), "optimizer": nnx.state(opt), "ema": nnx.state(ema)}, {"loss": loss}
+
+    data = jax.tree.map(lambda x: x.sharding, batch)
+    jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)
+    return jitted, states
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    width, depth, rows, steps, rounds = (64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 5)
+    cfg = {"mesh": "fsdp:8", "sharding_strategy": STRATEGY, "width": width, "depth": depth, "progress": "off", "log_every": 10**9, "total_steps": 10**9}
+    trainer = Bench(cfg)
+    mesh = trainer.mesh
+    rng = np.random.default_rng(0)
+    host = {"x": rng.normal(size=(rows, width)).astype(np.float32), "y": rng.normal(size=(rows, width)).astype(np.float32)}
+    batch = ns.host_local_to_global(host, mesh)
+    trainer.init()
+    jitted, states = hand_written(trainer, batch)
+
+    # Warm up (compile) both.
+    trainer.train(lambda s: batch, steps=1)
+    states, metrics = jitted(states, batch)
+    jax.block_until_ready(metrics)
+
+    ours, theirs = [], []
+    for _ in range(rounds):  # interleaved rounds, so machine noise hits both alike
+        t = time.perf_counter()
+        trainer.train(lambda s: batch, steps=steps)
+        jax.block_until_ready(trainer.states)
+        ours.append((time.perf_counter() - t) / steps)
+        t = time.perf_counter()
+        for _ in range(steps):
+            states, metrics = jitted(states, batch)
+        jax.block_until_ready(states)
+        theirs.append((time.perf_counter() - t) / steps)
+    result = {
+        "benchmark": "bench_step",
+        "machine": machine(),
+        "params": sum(x.size for x in jax.tree.leaves(trainer.states["model"])),
+        "batch": rows,
+        "trainer_step_ms": round(1e3 * statistics.median(ours), 3),
+        "hand_jit_step_ms": round(1e3 * statistics.median(theirs), 3),
+        "ratio": round(statistics.median(ours) / statistics.median(theirs), 3),
+        "target_ratio": 1.03,
+    }
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
