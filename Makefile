@@ -24,7 +24,7 @@ test: $(STAMP)
 		$(PY) -m pytest -q
 
 demo: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) examples/sharding_demo.py
+	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) benchmarks/bench_infer.py

@@ -55,7 +55,11 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
 
     def create():
         model = Stack(nnx.Rngs(0))
-        return {"model": model, "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param), "ema": nnx.EMA(model, 0.999)}
+        return {
+            "model": model,
+            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, 0.999),
+        }
 
     objects, plan = ns.create_sharded(create, FSDP, fsdp)
     state = jax.block_until_ready({k: nnx.state(v) for k, v in objects.items()})
@@ -76,7 +80,12 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
 
     host_used = None
     if variant != "host round trip":
-        probe = {"w": jax.device_put(np.ones((64, 64), np.float32), jax.sharding.NamedSharding(fsdp, jax.sharding.PartitionSpec("fsdp")))}
+        probe = {
+            "w": jax.device_put(
+                np.ones((64, 64), np.float32),
+                jax.sharding.NamedSharding(fsdp, jax.sharding.PartitionSpec("fsdp")),
+            )
+        }
         probe_target = {"w": jax.sharding.NamedSharding(tp, jax.sharding.PartitionSpec(None, "tp"))}
         try:
             with jax.transfer_guard_device_to_host("disallow"):
@@ -150,9 +159,15 @@ def main() -> None:
         "memcpy_gb_per_s": round(gbps, 2),
         "runs": runs,
         "time_ratio_vs_device_put": round(ours["round_trip_s"] / runs["jax.device_put"]["round_trip_s"], 2),
-        "time_ratio_vs_host_round_trip": round(ours["round_trip_s"] / runs["host round trip"]["round_trip_s"], 2),
-        "rss_ratio_vs_device_put": round(ours["peak_rss_growth_bytes"] / max(1, runs["jax.device_put"]["peak_rss_growth_bytes"]), 2),
-        "rss_ratio_vs_host_round_trip": round(ours["peak_rss_growth_bytes"] / max(1, runs["host round trip"]["peak_rss_growth_bytes"]), 2),
+        "time_ratio_vs_host_round_trip": round(
+            ours["round_trip_s"] / runs["host round trip"]["round_trip_s"], 2
+        ),
+        "rss_ratio_vs_device_put": round(
+            ours["peak_rss_growth_bytes"] / max(1, runs["jax.device_put"]["peak_rss_growth_bytes"]), 2
+        ),
+        "rss_ratio_vs_host_round_trip": round(
+            ours["peak_rss_growth_bytes"] / max(1, runs["host round trip"]["peak_rss_growth_bytes"]), 2
+        ),
     }
     write_json(result, args.out)
 

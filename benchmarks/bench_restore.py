@@ -35,7 +35,11 @@ def create_fn(layers: int, width: int):
 
     def create():
         model = Stack(nnx.Rngs(0))
-        return {"model": model, "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param), "ema": nnx.EMA(model, 0.999)}
+        return {
+            "model": model,
+            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, 0.999),
+        }
 
     return create
 
@@ -82,7 +86,9 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
         else:  # seed: load whole onto one device, then place
             one = NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("d",)), PartitionSpec())
             target = jax.tree.map(
-                lambda v: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=one)),
+                lambda v: v.replace(
+                    jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=one)
+                ),
                 states_abstract,
                 is_leaf=lambda x: isinstance(x, nnx.Variable),
             )
@@ -124,7 +130,18 @@ def main() -> None:
         return
 
     def child(role: str, directory: str) -> dict[str, object]:
-        cmd = [sys.executable, __file__, "--role", role, "--dir", directory, "--layers", str(layers), "--width", str(width)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--role",
+            role,
+            "--dir",
+            directory,
+            "--layers",
+            str(layers),
+            "--width",
+            str(width),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"{role} failed:\n{out.stderr[-3000:]}")

@@ -43,3 +43,55 @@ def write_json(result: dict[str, object], out: str | None) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
+
+
+def hand_written_step(trainer, batch, loss_fn):
+    """What a user writes without nnx_shard, for comparison: the trainer's objects, split, jitted, donated.
+
+    Same model, optimizer and EMA, same shardings as ``trainer``, the same ``loss_fn``;
+    returns ``(jitted_step, states)``.
+    """
+    import jax
+    from flax import nnx
+
+    objects = trainer._create()
+    shardings = trainer.hooks.shardings
+    graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+    states = jax.device_put({k: nnx.state(v) for k, v in objects.items()}, shardings)
+
+    def step(states, batch):
+        model = nnx.merge(graphdefs["model"], states["model"])
+        opt = nnx.merge(graphdefs["optimizer"], states["optimizer"])
+        ema = nnx.merge(graphdefs["ema"], states["ema"])
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch))(model)
+        opt.update(model, grads)
+        ema.update(model)
+        return {"model": nnx.state(model), "optimizer": nnx.state(opt), "ema": nnx.state(ema)}, {"loss": loss}
+
+    data = jax.tree.map(lambda x: x.sharding, batch)
+    jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)
+    return jitted, states
+
+
+def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
+    """Median seconds per step of the Trainer and of the hand-written step, in alternating rounds."""
+    import statistics
+    import time
+
+    import jax
+
+    trainer.train(lambda s: batch, steps=1)  # compile both first
+    states, metrics = jitted(states, batch)
+    jax.block_until_ready(metrics)
+    ours, theirs = [], []
+    for _ in range(rounds):  # alternate, so machine noise hits both alike
+        t = time.perf_counter()
+        trainer.train(lambda s: batch, steps=steps)
+        jax.block_until_ready(trainer.states)
+        ours.append((time.perf_counter() - t) / steps)
+        t = time.perf_counter()
+        for _ in range(steps):
+            states, metrics = jitted(states, batch)
+        jax.block_until_ready(states)
+        theirs.append((time.perf_counter() - t) / steps)
+    return statistics.median(ours), statistics.median(theirs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -107,15 +109,20 @@ class RestoreReport:
     mesh: str
 
     def __str__(self) -> str:
-        saved_mesh = self.saved.get("mesh", "?")
-        saved_procs = self.saved.get("processes", 1)
-        where = f"{self.saved.get('devices', '?')} devices ({saved_mesh})"
-        if saved_procs != 1 or self.processes != 1:
-            where += f" in {saved_procs} processes"
-        onto = f"{self.devices} devices ({self.mesh})"
-        if saved_procs != 1 or self.processes != 1:
-            onto += f" in {self.processes} processes"
-        return f"restored step {self.step}, saved on {where}, onto {onto}"
+        show = self.saved.get("processes", 1) != 1 or self.processes != 1
+        saved = _where(
+            self.saved.get("devices", 0), self.saved.get("mesh", "?"), self.saved.get("processes", 1), show
+        )
+        onto = _where(self.devices, self.mesh, self.processes, show)
+        return f"restored step {self.step}, saved on {saved}, onto {onto}"
+
+
+def _where(devices: int, mesh: str, processes: int, show_processes: bool) -> str:
+    """``8 devices (fsdp=8)``, ``1 device``, ``4 devices (fsdp=4) in 2 processes``."""
+    text = f"{devices} device{'s' if devices != 1 else ''}" + (f" ({mesh})" if devices != 1 else "")
+    if show_processes:
+        text += f" in {processes} process{'es' if processes != 1 else ''}"
+    return text
 
 
 class Checkpointer:
@@ -128,7 +135,8 @@ class Checkpointer:
     complete, so an interrupted save never replaces the last good checkpoint.
 
     Args:
-      directory: where checkpoints go (created if needed).
+      directory: where checkpoints go (created if needed): a local path or a URI
+        Orbax understands, such as ``gs://bucket/run``.
       max_to_keep: how many to keep (None: all).
       best_metric: keep the best ``max_to_keep`` by this key of ``metrics``.
       best_mode: ``"min"`` or ``"max"`` for ``best_metric``.
@@ -156,7 +164,10 @@ class Checkpointer:
     ):
         if best_mode not in ("min", "max"):
             raise CheckpointError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
-        self.directory = Path(directory).absolute()
+        # Local paths become absolute; URIs (gs://...) go to Orbax as they are.
+        self.directory = (
+            epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
+        )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             best_fn=(lambda m: float(m[best_metric])) if best_metric else None,
@@ -171,6 +182,9 @@ class Checkpointer:
             options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
+        # Orbax cleans up interrupted saves and writes in background threads; let them
+        # finish before the interpreter shuts down (else a short script logs an error).
+        atexit.register(self._manager.wait_until_finished)
 
     def save(
         self,

@@ -107,11 +107,20 @@ class Trainer:
         self.hooks = ShardingHooks(
             list(merged.sharding_strategy), self.mesh, barrier_timeout=merged.barrier_timeout
         )
-        self.workdir = Path(merged.workdir) if merged.workdir else None
+        workdir = str(merged.workdir or "")
+        self.workdir = workdir or None
+        # metrics.jsonl is appended to on every log: kept local when the workdir is a URI.
+        self.metrics_path = (
+            None
+            if not workdir
+            else Path("metrics.jsonl")
+            if "://" in workdir
+            else Path(workdir) / "metrics.jsonl"
+        )
         self.checkpointer: Checkpointer | None = None
-        if self.workdir is not None:
+        if workdir:
             self.checkpointer = Checkpointer(
-                self.workdir / "checkpoints",
+                workdir.rstrip("/") + "/checkpoints",
                 max_to_keep=merged.keep,
                 best_metric=merged.best_metric or None,
                 async_save=merged.async_checkpoint,
@@ -372,9 +381,9 @@ class Trainer:
             bar.set_postfix(shown)
         elif jax.process_index() == 0 and self.config.progress != "off":
             logger.info("step %d: %s", int(record["step"]), shown)
-        if self.workdir is not None and jax.process_index() == 0:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-            with open(self.workdir / "metrics.jsonl", "a") as f:
+        if self.metrics_path is not None and jax.process_index() == 0:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
         self.on_log(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
 

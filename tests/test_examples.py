@@ -73,3 +73,10 @@ def test_bench_restore_smoke(tmp_path):
     ours = result["runs"]["nnx_shard"]
     assert ours["kernel_mesh"] == {"fsdp": 4}
     assert ours["report"] == "restored step 1, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"
+
+
+def test_bench_vit_smoke(tmp_path):
+    out_file = tmp_path / "vit.json"
+    run("bench_vit.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    assert result["mesh"] == "fsdp=8" and result["trainer_images_per_s"] > 0

@@ -67,7 +67,7 @@ def test_resume_on_fewer_devices(reference, devices):
     out = resume_in_subprocess(reference["workdir"], devices)
     assert (
         out["report"]
-        == f"restored step 6, saved on 8 devices (fsdp=8), onto {devices} devices ({'fsdp=' + str(devices) if devices > 1 else '1 device'})"
+        == f"restored step 6, saved on 8 devices (fsdp=8), onto {f'{devices} devices (fsdp={devices})' if devices > 1 else '1 device'}"
     )
     assert out["digest"] == reference["digest"]  # bitwise: model, optimizer, EMA
     assert out["kernel_mesh"] == {"fsdp": devices}  # never the old device subset
@@ -83,7 +83,7 @@ def test_resume_on_two_processes(reference, multiprocess):
         v = r.ok()
         assert (
             v["report"]
-            == "restored step 6, saved on 8 devices (fsdp=8) in 1 processes, onto 4 devices (fsdp=4) in 2 processes"
+            == "restored step 6, saved on 8 devices (fsdp=8) in 1 process, onto 4 devices (fsdp=4) in 2 processes"
         )
         assert v["digest"] == reference["digest"]
         np.testing.assert_allclose(v["losses"], reference["losses"], rtol=2e-5, atol=1e-6)

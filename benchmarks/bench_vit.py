@@ -1,0 +1,85 @@
+"""ViT training throughput (images/s): the Trainer against a hand-written jit loop with the same shardings.
+
+Both loops train the example's ViT (examples/vit) with the same strategy, mesh, optimizer,
+EMA and pre-placed global batch, in alternating rounds in one process.
+
+    python benchmarks/bench_vit.py                          # tiny ViT on 8x8 digits-sized images, 8 CPU devices
+    python benchmarks/bench_vit.py --config s16 --batch 32  # ViT-S/16 on 224x224 synthetic images
+    python benchmarks/bench_vit.py --real-devices --config b16 --batch 256   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from common import hand_written_step, interleaved_timing, machine, simulate_devices, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--real-devices", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not args.real_devices:
+        simulate_devices(8)
+    import jax
+    import numpy as np
+    import optax
+
+    import nnx_shard as ns
+    from examples.vit.config import get_config
+    from examples.vit.model import ViT
+
+    cfg = get_config(args.config)
+    batch_size, steps, rounds = (16, 3, 2) if args.smoke else (args.batch, 20, 3)
+
+    def loss(model, batch):
+        logits = model(batch["images"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    class ViTTrainer(ns.Trainer):
+        def create_model(self, rngs):
+            return ViT(**self.config.model, rngs=rngs)
+
+        def create_optimizer(self):
+            return optax.adamw(1e-3)
+
+        def loss_fn(self, model, batch):
+            return loss(model, batch)
+
+    trainer = ViTTrainer(
+        {**cfg.to_dict(), "progress": "off", "log_every": 10**9, "total_steps": 10**9, "workdir": ""}
+    )
+    trainer.init()
+    rng = np.random.default_rng(0)
+    size, channels = cfg.data.image_size, cfg.data.channels
+    host = {
+        "images": rng.normal(size=(batch_size, size, size, channels)).astype(np.float32),
+        "labels": rng.integers(0, cfg.data.num_classes, batch_size).astype(np.int32),
+    }
+    batch = ns.host_local_to_global(host, trainer.mesh)
+    jitted, states = hand_written_step(trainer, batch, loss)
+    ours, theirs = interleaved_timing(trainer, batch, jitted, states, steps, rounds)
+    result = {
+        "benchmark": "bench_vit",
+        "machine": machine(),
+        "config": args.config,
+        "mesh": ns.describe_mesh(trainer.mesh),
+        "params": sum(x.size for x in jax.tree.leaves(trainer.states["model"])),
+        "batch": batch_size,
+        "trainer_images_per_s": round(batch_size / ours, 1),
+        "hand_jit_images_per_s": round(batch_size / theirs, 1),
+        "ratio_trainer_time_over_hand": round(ours / theirs, 3),
+    }
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Train the ViT with the nnx_shard Trainer, and resume on any number of devices or hosts.
+
+    python examples/vit/train.py --workdir /tmp/vit --steps 200                    # 8 simulated CPU devices
+    python examples/vit/train.py --workdir /tmp/vit --steps 300 --devices 4 --resume
+    python examples/vit/train.py --config b16_tp,synthetic --real-devices --workdir /tmp/b16   # GPU / TPU host
+    python examples/vit/train.py --coordinator 127.0.0.1:9876 --num-processes 2 --process-id 0 --devices 2 ...
+    python examples/vit/train.py --distributed --real-devices ...                  # TPU pod: every worker runs this
+
+Prints one line starting with SUMMARY: a JSON summary (plan, restore report, losses, accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--config", default="tiny", help="tiny, tiny_tp, ti16, s16, b16, l16, h14; ',synthetic' for fake data"
+    )
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument(
+        "--steps", type=int, default=None, help="stop at this step (default: the config's total_steps)"
+    )
+    ap.add_argument(
+        "--total-steps", type=int, default=None, help="the run's length, for the learning-rate schedule"
+    )
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument(
+        "--mesh", default=None, help="override the config's mesh, e.g. 'fsdp:4' or 'fsdp:-1,tp:2'"
+    )
+    ap.add_argument("--resume", action="store_true", help="restore_and_reshard the latest checkpoint first")
+    ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices per process")
+    ap.add_argument("--real-devices", action="store_true", help="use the accelerators JAX finds (GPU/TPU)")
+    ap.add_argument("--coordinator", default=None, help="host:port of process 0, for several local processes")
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
+    ap.add_argument(
+        "--distributed",
+        action="store_true",
+        help="jax.distributed.initialize() with no arguments (TPU pods, SLURM)",
+    )
+    ap.add_argument("--progress", default=None, choices=["auto", "on", "off"])
+    return ap.parse_args(argv)
+
+
+def setup_jax(args: argparse.Namespace) -> None:
+    import jax
+
+    if not args.real_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    if args.coordinator:
+        jax.distributed.initialize(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            heartbeat_timeout_seconds=30,
+            shutdown_timeout_seconds=30,
+        )
+    elif args.distributed:
+        jax.distributed.initialize()
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Trains (or resumes and trains) and returns the summary; see the module docstring."""
+    args = parse(argv)
+    setup_jax(args)
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import nnx_shard as ns
+    from examples.vit import data as vit_data
+    from examples.vit.config import get_config
+    from examples.vit.model import ViT
+
+    class ViTTrainer(ns.Trainer):
+        def create_model(self, rngs):
+            return ViT(**self.config.model, rngs=rngs)
+
+        def create_optimizer(self):
+            c = self.config
+            schedule = optax.warmup_cosine_decay_schedule(
+                0.0, c.learning_rate, c.warmup_steps, max(c.total_steps, c.warmup_steps + 1)
+            )
+            return optax.chain(
+                optax.clip_by_global_norm(1.0),
+                optax.adamw(schedule, weight_decay=c.get("weight_decay", 1e-4)),
+            )
+
+        def loss_fn(self, model, batch):
+            logits = model(batch["images"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+            return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["labels"])}
+
+    cfg = get_config(args.config)
+    cfg.workdir = args.workdir
+    if args.total_steps is not None:
+        cfg.total_steps = args.total_steps
+    stop = args.steps if args.steps is not None else cfg.total_steps
+    if args.batch_size is not None:
+        cfg.data.batch_size = args.batch_size
+    if args.mesh:
+        cfg.mesh = args.mesh
+    if args.progress:
+        cfg.progress = args.progress
+    if cfg.data.name == "digits":
+        data = vit_data.load_digits(seed=cfg.data.seed)
+    else:
+        data = vit_data.synthetic(
+            4 * cfg.data.batch_size, cfg.data.image_size, cfg.data.channels, cfg.data.num_classes
+        )
+
+    trainer = ViTTrainer(cfg)
+    summary: dict = {
+        "devices": jax.device_count(),
+        "processes": jax.process_count(),
+        "mesh": ns.describe_mesh(trainer.mesh),
+    }
+    summary["plan"] = trainer.plan.summary()
+    evaluate = lambda: (
+        trainer.evaluate(vit_data.eval_batches(data, 40), use_ema=False) if len(data["test_labels"]) else {}
+    )
+    if args.resume:
+        summary["restore"] = str(trainer.restore_and_reshard())
+        summary["eval_after_restore"] = evaluate()
+    summary["start_step"] = trainer.step
+    batches = vit_data.train_batches(data, cfg.data.batch_size, cfg.data.seed, cfg.data.augment)
+    history = trainer.train(batches, steps=max(0, stop - trainer.step))
+    summary["losses"] = [(h["step"], h["loss"]) for h in history]
+    summary["final_step"] = trainer.step
+    summary["eval"] = evaluate()
+    if len(data["test_labels"]):
+        summary["eval_ema"] = trainer.evaluate(vit_data.eval_batches(data, 40), use_ema=True)
+    if jax.process_index() == 0:
+        print("SUMMARY " + json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    run()
