@@ -13,34 +13,20 @@ process), on 8 simulated CPU devices; the parent compares them.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 import time
 
-from common import machine, peak_rss_bytes, simulate_devices, write_json
+from common import (
+    machine,
+    peak_rss_bytes,
+    run_variants,
+    simulate_devices,
+    stack_state_factory,
+    variant_args,
+    write_json,
+)
 
 STRATEGY = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
-
-
-def factory(layers: int, width: int):
-    import optax
-    from flax import nnx
-
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
-
-    def create():
-        model = Stack(nnx.Rngs(0))
-        return {
-            "model": model,
-            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
-            "ema": nnx.EMA(model, decay=0.999),
-        }
-
-    return create
 
 
 def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
@@ -52,7 +38,7 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     import nnx_shard as ns
 
     mesh = ns.create_mesh((8,), ("fsdp",))
-    create = factory(layers, width)
+    create = stack_state_factory(layers, width)
     base_rss = peak_rss_bytes()
     start = time.perf_counter()
     result: dict[str, object] = {}
@@ -94,22 +80,12 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=3072)
-    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    layers, width = (2, 256) if args.smoke else (args.layers, args.width)
+    args = variant_args(__doc__)
+    layers, width = args.layers, args.width
     if args.variant:
         print(json.dumps(run_variant(args.variant, layers, width)))
         return
-    runs = {}
-    for variant in ("create_sharded", "init_then_device_put"):
-        cmd = [sys.executable, __file__, "--variant", variant, "--layers", str(layers), "--width", str(width)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        runs[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = run_variants(__file__, ("create_sharded", "init_then_device_put"), args)
     ours, base = runs["create_sharded"], runs["init_then_device_put"]
     assert ours["checksum"] == base["checksum"], "the two inits differ"
     simulate_devices(8)

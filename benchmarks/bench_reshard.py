@@ -13,14 +13,19 @@ memory-copy bandwidth measured in the same run. Each variant runs in a fresh sub
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 import time
 
 import numpy as np
-from common import machine, peak_rss_bytes, simulate_devices, write_json
+from common import (
+    machine,
+    peak_rss_bytes,
+    run_variants,
+    simulate_devices,
+    stack_state_factory,
+    variant_args,
+    write_json,
+)
 
 FSDP = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
 TP = [(".*kernel", "shard_dim(axis='tp', dim=-1)"), (".*", "replicate")]
@@ -40,7 +45,6 @@ def memcpy_gbps(nbytes: int = 512 * 2**20) -> float:
 def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     simulate_devices(8)
     import jax
-    import optax
     from flax import nnx
 
     import nnx_shard as ns
@@ -49,17 +53,7 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     fsdp = ns.create_mesh((8,), ("fsdp",))
     tp = ns.create_mesh((4,), ("tp",), devices=devices[:4])
 
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
-
-    def create():
-        model = Stack(nnx.Rngs(0))
-        return {
-            "model": model,
-            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
-            "ema": nnx.EMA(model, 0.999),
-        }
+    create = stack_state_factory(layers, width)
 
     objects, plan = ns.create_sharded(create, FSDP, fsdp)
     state = jax.block_until_ready({k: nnx.state(v) for k, v in objects.items()})
@@ -124,24 +118,12 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=3072)
-    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    layers, width = (2, 256) if args.smoke else (args.layers, args.width)
+    args = variant_args(__doc__)
+    layers, width = args.layers, args.width
     if args.variant:
         print(json.dumps(run_variant(args.variant, layers, width)))
         return
-    runs = {}
-    for variant in ("nnx_shard.reshard", "jax.device_put", "host round trip"):
-        cmd = [sys.executable, __file__, "--variant", variant, "--layers", str(layers), "--width", str(width)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
-        runs[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = run_variants(__file__, ("nnx_shard.reshard", "jax.device_put", "host round trip"), args)
     simulate_devices(8)
     gbps = memcpy_gbps()
     ours = runs["nnx_shard.reshard"]

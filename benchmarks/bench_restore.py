@@ -20,28 +20,9 @@ import sys
 import tempfile
 import time
 
-from common import machine, peak_rss_bytes, simulate_devices, write_json
+from common import machine, peak_rss_bytes, simulate_devices, stack_state_factory, write_json
 
 STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
-
-
-def create_fn(layers: int, width: int):
-    import optax
-    from flax import nnx
-
-    class Stack(nnx.Module):
-        def __init__(self, rngs):
-            self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
-
-    def create():
-        model = Stack(nnx.Rngs(0))
-        return {
-            "model": model,
-            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
-            "ema": nnx.EMA(model, 0.999),
-        }
-
-    return create
 
 
 def save(directory: str, layers: int, width: int) -> dict[str, object]:
@@ -50,7 +31,7 @@ def save(directory: str, layers: int, width: int) -> dict[str, object]:
 
     mesh = ns.create_mesh((8,), ("fsdp",))
     hooks = ns.ShardingHooks(STRATEGY, mesh)
-    hooks.on_init(create_fn(layers, width))
+    hooks.on_init(stack_state_factory(layers, width))
     ckpt = ns.Checkpointer(directory, async_save=False)
     hooks.save(ckpt, 1)
     ckpt.close()
@@ -67,7 +48,7 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
     import nnx_shard as ns
 
     mesh = ns.create_mesh((4,), ("fsdp",))
-    create = create_fn(layers, width)
+    create = stack_state_factory(layers, width)
     abstract = nnx.eval_shape(create)
     shardings = ns.infer_sharding(abstract, STRATEGY, mesh)
     base = peak_rss_bytes()

@@ -95,3 +95,65 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
         jax.block_until_ready(states)
         theirs.append((time.perf_counter() - t) / steps)
     return statistics.median(ours), statistics.median(theirs)
+
+
+def stack_state_factory(layers: int, width: int):
+    """The benchmarks' big state: ``layers`` square Linear layers + adamw + EMA (1.125 GiB at 8 x 3072)."""
+    import optax
+    from flax import nnx
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(layers)])
+
+    def create():
+        model = Stack(nnx.Rngs(0))
+        return {
+            "model": model,
+            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, decay=0.999),
+        }
+
+    return create
+
+
+def variant_args(description: str):
+    """The command line shared by the benchmarks that run each variant in a fresh subprocess."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=3072)
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.layers, args.width = (2, 256) if args.smoke else (args.layers, args.width)
+    return args
+
+
+def run_variants(script: str, variants, args) -> dict:
+    """Runs ``script --variant V`` for each variant in a fresh process (peak RSS is per process)."""
+    import json
+    import subprocess
+    import sys
+
+    runs = {}
+    for variant in variants:
+        cmd = [
+            sys.executable,
+            script,
+            "--variant",
+            variant,
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
+        runs[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    return runs
