@@ -69,7 +69,8 @@ class Trainer:
 
     A subclass implements ``create_model(rngs)``, ``create_optimizer()`` and
     ``loss_fn(model, batch)`` (returning a scalar loss, or ``(loss, metrics)``),
-    and may override ``train_step``, ``eval_metrics`` and ``on_log``.
+    and may override ``train_step``, ``eval_metrics`` and ``on_log``. Metrics also go to
+    TensorBoard (``workdir/tensorboard``) when tensorboardX is installed.
     The Trainer builds the mesh from ``config.mesh`` (``"fsdp:-1"``),
     creates the model, ``nnx.Optimizer`` and ``nnx.EMA`` already sharded by
     ``config.sharding_strategy``, runs one jitted step with the state donated,
@@ -130,6 +131,7 @@ class Trainer:
         self._graphdefs: dict[str, Any] = {}
         self._compiled_step: Any = None
         self._preempted = False
+        self._tensorboard: Any = None
 
     # -- what a subclass gives ------------------------------------------------
 
@@ -311,6 +313,9 @@ class Trainer:
                 signal.signal(signal.SIGTERM, previous)
             if self.checkpointer is not None:
                 self.checkpointer.wait_until_finished()
+            if self._tensorboard:
+                self._tensorboard.close()  # writes what is buffered; the next train() opens a new file
+                self._tensorboard = None
         return history
 
     def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
@@ -385,7 +390,25 @@ class Trainer:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
+        writer = self._tensorboard_writer()
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, int(record["step"]))
+            writer.flush()
         self.on_log(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
+
+    def _tensorboard_writer(self) -> Any:
+        """A TensorBoard writer in ``<workdir>/tensorboard`` when tensorboardX is installed (process 0)."""
+        if self._tensorboard is None:
+            self._tensorboard = False
+            if self.metrics_path is not None and jax.process_index() == 0:
+                try:
+                    from tensorboardX import SummaryWriter
+                except ImportError:
+                    return None
+                self._tensorboard = SummaryWriter(str(self.metrics_path.parent / "tensorboard"))
+        return self._tensorboard or None
 
 
 def _main_thread() -> bool:

@@ -235,3 +235,22 @@ def test_kill_during_async_save_keeps_the_previous_step(tmp_path):
     assert ckpt.all_steps() == [2]
     trainer = RegressionTrainer(config(str(tmp_path / "w"), width=1024))
     assert str(trainer.restore_and_reshard()).startswith("restored step 2, saved on 4 devices")
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboardX", reason="install the test extras: pip install -e '.[test]'")
+    from tensorboardX.proto.event_pb2 import Event
+
+    trainer = RegressionTrainer({**config(str(tmp_path)), "async_checkpoint": False})
+    trainer.train(batch_for, steps=3)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and all("loss" in x and "mae" in x for x in lines)
+    (event_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")  # one per train() call
+    data, losses = event_file.read_bytes(), []
+    while data:  # TFRecord framing: length (8 bytes), crc (4), record, crc (4)
+        n = int.from_bytes(data[:8], "little")
+        event = Event.FromString(data[12 : 12 + n])
+        data = data[16 + n :]
+        losses += [(event.step, v.simple_value) for v in event.summary.value if v.tag == "loss"]
+    assert [step for step, _ in losses] == [1, 2, 3]
+    assert [v for _, v in losses] == pytest.approx([x["loss"] for x in lines], rel=1e-6)
