@@ -233,6 +233,17 @@ def restore_and_reshard(
     Returns:
       What happened, e.g. ``restored step 300, saved on 8 devices (fsdp=8), onto 4
       devices (fsdp=4)``; None when ``state`` was given.
+
+    >>> import tempfile
+    >>> from nnx_shard import Checkpointer, create_mesh
+    >>> strategy = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+    >>> ckpt = Checkpointer(tempfile.mkdtemp(), async_save=False)
+    >>> ckpt.save(7, {"model": nnx.Linear(4, 8, rngs=nnx.Rngs(0))}, mesh=create_mesh((8,), ("fsdp",)))
+    True
+    >>> model = nnx.Linear(4, 8, rngs=nnx.Rngs(1))
+    >>> half = create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    >>> print(restore_and_reshard(ckpt, {"model": model}, strategy, half))
+    restored step 7, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)
     """
     hooks = ShardingHooks(strategy, mesh)
     hooks.objects = dict(objects)
