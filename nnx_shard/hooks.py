@@ -134,7 +134,7 @@ class ShardingHooks:
                 incoming[key] = nnx.state(value) if is_graph_object(value) else value
             else:  # a pure dict: put its values into the live structure
                 template = jax.tree.map(lambda x: x, live[key])
-                nnx.replace_by_pure_dict(template, value)
+                nnx.replace_by_pure_dict(template, _unwrap_values(value))
                 incoming[key] = template
         shardings = {k: self.shardings[k] for k in incoming}
         self._update(reshard(incoming, shardings, donate=False))
@@ -190,6 +190,15 @@ class ShardingHooks:
         return checkpointer.save(
             step, self._states(), metrics=metrics, mesh=self.mesh, strategy=self.strategy
         )
+
+
+def _unwrap_values(tree: Any) -> Any:
+    """Orbax's layout without a target keeps each Variable as ``{"value": x}``: take ``x``."""
+    if isinstance(tree, Mapping):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap_values(v) for k, v in tree.items()}
+    return tree
 
 
 def _check_placed(states: Any, shardings: Any) -> None:

@@ -254,3 +254,34 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
         losses += [(event.step, v.simple_value) for v in event.summary.value if v.tag == "loss"]
     assert [step for step, _ in losses] == [1, 2, 3]
     assert [v for _, v in losses] == pytest.approx([x["loss"] for x in lines], rel=1e-6)
+
+
+def test_free_live_restore_frees_first_and_restores(reference):
+    trainer = RegressionTrainer(config(reference["workdir"]))
+    trainer.init()
+    old = trainer.states["model"]["l1"]["kernel"].get_value()
+    report = trainer.restore_and_reshard(6, free_live=True)
+    assert old.is_deleted() and str(report).startswith("restored step 6")
+    assert digest(trainer) == reference["digest"]
+
+
+def test_restore_and_reshard_from_a_state_loaded_by_hand(reference):
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    # What a user does with plain Orbax: load without targets onto this process's devices.
+    mgr = ocp.CheckpointManager(
+        Path(reference["workdir"]) / "checkpoints", item_handlers={"state": ocp.StandardCheckpointHandler()}
+    )
+    loaded = mgr.restore(6, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    host = jax.tree.map(np.asarray, loaded)  # and maybe brought it to the host
+    mesh2 = ns.create_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+    fresh = RegressionTrainer(config(reference["workdir"]))._create()  # unsharded, on the default device
+    out = ns.restore_and_reshard(None, fresh, reference["trainer"].hooks.strategy, mesh2, state=host)
+    assert out is None
+    kernel = fresh["model"].l2.kernel.get_value()
+    assert dict(kernel.sharding.mesh.shape) == {"fsdp": 2}
+    np.testing.assert_array_equal(
+        np.asarray(kernel), host["model"]["l2"]["kernel"]["value"]
+    )  # Orbax keeps {"value": x}
+    assert isinstance(fresh["ema"], nnx.EMA)
