@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,14 +43,14 @@ class _Rule:
 
 
 def _compile_strategy(strategy: Any) -> list[_Rule]:
-    if isinstance(strategy, (str, bytes)) or not isinstance(strategy, Sequence):
-        # ml_collections turns lists into tuples/lists; anything else is wrong.
-        if not hasattr(strategy, "__iter__") or isinstance(strategy, (str, bytes, dict)):
-            raise InvalidStrategyError(
-                f"expected a strategy: an ordered list of (regex, tactic) pairs such as "
-                f"[('.*embedding.*', 'replicate'), ('.*', \"fsdp(axis='fsdp')\")]; got "
-                f"{type(strategy).__name__} {strategy!r:.200}."
-            )
+    # A list or tuple of pairs (an ml_collections field holds one of those); a dict
+    # has no order worth trusting and a string is a common slip: both are refused.
+    if isinstance(strategy, (str, bytes, Mapping)) or not isinstance(strategy, Sequence):
+        raise InvalidStrategyError(
+            f"expected a strategy: an ordered list of (regex, tactic) pairs such as "
+            f"[('.*embedding.*', 'replicate'), ('.*', \"fsdp(axis='fsdp')\")]; got "
+            f"{type(strategy).__name__} {strategy!r:.200}."
+        )
     rules = []
     for i, entry in enumerate(strategy):
         if isinstance(entry, (str, bytes)) or len(entry) != 2:
