@@ -100,7 +100,10 @@ def _paths(tree: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreReport:
-    """What a restore did: which step, from where, onto what."""
+    """What a restore did: which step, from where, onto what.
+
+    >>> print(RestoreReport(300, {"devices": 8, "mesh": "fsdp=8", "processes": 1}, 4, 1, "fsdp=4"))
+    restored step 300, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"""
 
     step: int
     saved: dict[str, Any]

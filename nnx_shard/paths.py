@@ -106,6 +106,10 @@ class Leaf:
       variable: the ``nnx.Variable`` holding it, if any (for its metadata).
       candidates: the parameter paths it mirrors, most specific last.
       notes: soft findings about its placement (too small to shard, ...).
+
+    >>> leaf = Leaf("opt_state/0/mu/up/kernel", (16, 32), "bfloat16", candidates=("up/kernel",))
+    >>> leaf.nbytes, leaf.mirrors, leaf.describe()
+    (1024, 'up/kernel', "'opt_state/0/mu/up/kernel' (shape (16, 32))")
     """
 
     path: str

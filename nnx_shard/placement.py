@@ -192,6 +192,13 @@ def sharded_init_fn(
     Returns ``(init, abstract, plan)``: ``init()`` returns the states (lower
     and compile it to read XLA's ``memory_analysis()``), ``abstract`` is
     ``nnx.eval_shape(factory)``.
+
+    >>> from nnx_shard import create_mesh
+    >>> init, abstract, plan = sharded_init_fn(lambda: nnx.Linear(8, 64, rngs=nnx.Rngs(0)),
+    ...     [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+    >>> memory = init.lower().compile().memory_analysis()
+    >>> memory.output_size_in_bytes - plan.bytes_per_device  # one 8-byte pointer per output
+    16
     """
     abstract = nnx.eval_shape(factory)
     plan = plan_sharding(abstract, strategy, mesh, strict=strict)

@@ -35,6 +35,9 @@ class LeafPlacement:
       total_bytes: bytes of the whole array.
       bytes_per_device: exact bytes on the fullest device.
       notes: why a leaf stayed replicated, and other soft findings.
+
+    >>> LeafPlacement("w", (4,), "float32", None, None, None, 16, 16).sharded
+    False
     """
 
     path: str
@@ -66,6 +69,14 @@ class ShardingPlan:
       rules: the strategy as ``(regex, tactic text)`` pairs.
       unused_rules: indices of rules that matched no leaf (usually typos).
       shardings: the pytree of ``NamedSharding`` (None for skipped leaves).
+
+    >>> import jax
+    >>> from nnx_shard import create_mesh, plan_sharding
+    >>> state = {"w": jax.ShapeDtypeStruct((64, 32), "float32"), "step": jax.ShapeDtypeStruct((), "int32")}
+    >>> plan = plan_sharding(state, [("w", "shard_dim(axis='fsdp', dim=0)"), (".*", "replicate")],
+    ...                      create_mesh((8,), ("fsdp",)))
+    >>> plan.bytes_per_device, plan.sharded_bytes_per_device, plan.replicated_bytes_per_device
+    (1028, 1024, 4)
     """
 
     mesh: Mesh
