@@ -26,8 +26,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py
 
+BENCHES := infer init reshard restore step vit
+
 bench: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) benchmarks/bench_infer.py
+	cd benchmarks && for b in $(BENCHES); do JAX_PLATFORMS=cpu ../$(PY) bench_$$b.py --out results/bench_$$b.json || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
