@@ -130,7 +130,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         saved = child("save", directory)
-        runs = {v: child(v, directory) for v in ("nnx_shard", "orbax", "seed")}
+        # Two rounds in alternating order, keeping each variant's faster run: the first
+        # read after the save may find the page cache warmer or colder than later ones.
+        runs: dict[str, dict[str, object]] = {}
+        for order in (("nnx_shard", "orbax", "seed"), ("seed", "orbax", "nnx_shard")):
+            for v in order:
+                r = child(v, directory)
+                if v not in runs or r["seconds"] < runs[v]["seconds"]:
+                    runs[v] = r
     assert len({r["checksum"] for r in runs.values()}) == 1, "the variants restored different values"
     state = saved["state_bytes"]
     simulate_devices(4)

@@ -284,7 +284,7 @@ class Checkpointer:
                 + ". Build the model, optimizer and EMA with the config they were saved with."
             )
 
-    def restore(self, step: int | None, target: Any) -> tuple[int, Any]:
+    def restore(self, step: int | None, target: Any) -> tuple[int, Any, dict[str, Any]]:
         """Reads ``step`` (default: the latest) straight into ``target``'s shardings.
 
         Args:
@@ -292,7 +292,7 @@ class Checkpointer:
           target: :func:`abstract_target` output: abstract arrays with shardings.
 
         Returns:
-          ``(step, states)``; nothing live is touched.
+          ``(step, states, metadata)``, read in one Orbax call; nothing live is touched.
 
         Raises:
           NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
@@ -300,10 +300,12 @@ class Checkpointer:
         step = self._check_step(step)
         self.check_structure(step, target)
         try:
-            out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+            )
         except Exception as e:
             raise self._corrupt(step, e) from None
-        return step, out["state"]
+        return step, out["state"], dict(out["meta"])
 
     def _corrupt(self, step: int, error: Exception) -> CheckpointCorruptError:
         others = [s for s in self.all_steps() if s != step]

@@ -155,13 +155,13 @@ class ShardingHooks:
         target = abstract_target(self._states(), self.shardings)
         step = checkpointer._check_step(step)
         checkpointer.check_structure(step, target)
-        saved = checkpointer.metadata(step)
         if free_live:
+            checkpointer.metadata(step)  # readable, before anything live is freed
             for x in jax.tree.leaves(self._states()):
                 if isinstance(x, jax.Array):
                     x.delete()
         try:
-            step, states = checkpointer.restore(step, target)
+            step, states, saved = checkpointer.restore(step, target)
         except CheckpointError:
             if free_live:
                 logger.error(
