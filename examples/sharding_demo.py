@@ -39,8 +39,8 @@ def main() -> None:
     import nnx_shard as ns
     from examples.toy_models import MLP
 
-    names = [p.split(":")[0] for p in args.mesh.split(",")]
-    mesh = ns.parse_mesh_from_string(args.mesh, names)
+    mesh = ns.mesh_from_string(args.mesh)
+    names = list(mesh.axis_names)
     strategy = [
         (".*embed.*", "replicate"),
         ("^head/kernel$", "shard_dim(axis='fsdp', dim=0)"),

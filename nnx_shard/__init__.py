@@ -38,6 +38,7 @@ from nnx_shard.mesh import (
     create_mesh,
     describe_mesh,
     force_cpu,
+    mesh_from_string,
     parse_mesh_dims,
     parse_mesh_from_string,
 )
@@ -83,7 +84,7 @@ from nnx_shard.tactics import (
     shard_dim,
     spec,
 )
-from nnx_shard.trainer import Trainer, default_config, mesh_from_string
+from nnx_shard.trainer import Trainer, default_config
 
 __version__ = "0.1.0"
 

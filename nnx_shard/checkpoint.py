@@ -204,10 +204,7 @@ class Checkpointer:
 
         Returns whether a save was started (Orbax may skip a step it already has).
         """
-        states = {
-            k: nnx.state(v) if not isinstance(v, nnx.State) and _has_graph(v) else v
-            for k, v in objects.items()
-        }
+        states, _ = as_state(dict(objects))
         meta = {
             "step": int(step),
             "nnx_shard_version": _version(),
@@ -284,28 +281,47 @@ class Checkpointer:
                 + ". Build the model, optimizer and EMA with the config they were saved with."
             )
 
-    def restore(self, step: int | None, target: Any) -> tuple[int, Any, dict[str, Any]]:
-        """Reads ``step`` (default: the latest) straight into ``target``'s shardings.
-
-        Args:
-          step: the step, or None for the latest.
-          target: :func:`abstract_target` output: abstract arrays with shardings.
-
-        Returns:
-          ``(step, states, metadata)``, read in one Orbax call; nothing live is touched.
+    def validate(self, step: int | None, target: Any) -> int:
+        """The step to read (default: the latest), once it exists and matches ``target``'s structure.
 
         Raises:
           NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
         """
         step = self._check_step(step)
         self.check_structure(step, target)
+        return step
+
+    def read(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
+        """Reads a :meth:`validate`-d step straight into ``target``'s shardings: ``(states, metadata)``.
+
+        Raises:
+          CheckpointCorruptError: the data cannot be read; nothing live is touched.
+        """
         try:
             out = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
             )
         except Exception as e:
             raise self._corrupt(step, e) from None
-        return step, out["state"], dict(out["meta"])
+        return out["state"], dict(out["meta"])
+
+    def restore(self, step: int | None, target: Any) -> tuple[int, Any, dict[str, Any]]:
+        """Validates and reads ``step`` (default: the latest) straight into ``target``'s shardings.
+
+        Args:
+          step: the step, or None for the latest.
+          target: :func:`abstract_target` output: abstract arrays with shardings.
+
+        Returns:
+          ``(step, states, metadata)``; nothing live is touched.
+
+        Raises:
+          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
+        """
+        step = self.validate(step, target)
+        states, meta = self.read(step, target)
+        return step, states, meta
 
     def _corrupt(self, step: int, error: Exception) -> CheckpointCorruptError:
         others = [s for s in self.all_steps() if s != step]
@@ -318,9 +334,3 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
-
-
-def _has_graph(x: Any) -> bool:
-    from nnx_shard.paths import is_graph_object
-
-    return is_graph_object(x)

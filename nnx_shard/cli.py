@@ -110,16 +110,6 @@ def _import_factory(spec: str) -> Any:
     return factory
 
 
-def _mesh(text: str) -> Any:
-    from nnx_shard.mesh import DEFAULT_AXIS_NAMES, parse_mesh_from_string
-
-    parts = [p for p in text.split(",") if p.strip()]
-    names = (
-        [p.split(":")[0].strip() for p in parts] if ":" in text else list(DEFAULT_AXIS_NAMES[: len(parts)])
-    )
-    return parse_mesh_from_string(text, names)
-
-
 def run_plan(args: argparse.Namespace) -> int:
     cfg = _load_config(args.config)
     model_spec = args.model or cfg.get("model")
@@ -146,8 +136,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from flax import nnx
 
     from nnx_shard.inference import plan_sharding
+    from nnx_shard.mesh import mesh_from_string
 
-    mesh = _mesh(mesh_text)
+    mesh = mesh_from_string(mesh_text)
     factory = _import_factory(model_spec)
     timings["import and mesh"] = time.perf_counter() - t0
 

@@ -14,7 +14,7 @@ from nnx_shard.checkpoint import Checkpointer, CheckpointError, RestoreReport, a
 from nnx_shard.inference import plan_sharding
 from nnx_shard.mesh import describe_mesh
 from nnx_shard.multihost import barrier_sync
-from nnx_shard.paths import is_graph_object
+from nnx_shard.paths import as_state, is_graph_object
 from nnx_shard.placement import create_sharded
 from nnx_shard.plan import ShardingPlan
 from nnx_shard.reshard import reshard
@@ -102,7 +102,7 @@ class ShardingHooks:
         return self.objects
 
     def _states(self) -> dict[str, Any]:
-        return {k: nnx.state(v) if is_graph_object(v) else v for k, v in self.objects.items()}
+        return as_state(self.objects)[0]
 
     def _update(self, states: Mapping[str, Any]) -> None:
         for key, state in states.items():
@@ -153,15 +153,14 @@ class ShardingHooks:
         if self.objects is None:
             raise CheckpointError("no live objects to restore into: call on_init first.")
         target = abstract_target(self._states(), self.shardings)
-        step = checkpointer._check_step(step)
-        checkpointer.check_structure(step, target)
+        step = checkpointer.validate(step, target)  # before anything live is freed
         if free_live:
             checkpointer.metadata(step)  # readable, before anything live is freed
             for x in jax.tree.leaves(self._states()):
                 if isinstance(x, jax.Array):
                     x.delete()
         try:
-            step, states, saved = checkpointer.restore(step, target)
+            states, saved = checkpointer.read(step, target)
         except CheckpointError:
             if free_live:
                 logger.error(
@@ -203,19 +202,15 @@ def _unwrap_values(tree: Any) -> Any:
 
 def _check_placed(states: Any, shardings: Any) -> None:
     """Refuses a restore that did not land exactly on the target (never keep an old device subset)."""
-    pairs = jax.tree.leaves(
-        jax.tree.map(
-            lambda s, x: (s, x),
-            shardings,
-            states,
-            is_leaf=lambda v: v is None,
-        ),
-        is_leaf=lambda v: isinstance(v, tuple) and len(v) == 2,
-    )
-    for s, sub in pairs:
+    targets, treedef = jax.tree_util.tree_flatten(shardings, is_leaf=lambda v: v is None)
+    for target, sub in zip(targets, treedef.flatten_up_to(states), strict=True):
         for x in jax.tree.leaves(sub):
-            if s is not None and isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(s, x.ndim):
-                raise CheckpointError(f"a restored array landed on {x.sharding}, not on the target {s}.")
+            if (
+                target is not None
+                and isinstance(x, jax.Array)
+                and not x.sharding.is_equivalent_to(target, x.ndim)
+            ):
+                raise CheckpointError(f"a restored array landed on {x.sharding}, not on the target {target}.")
 
 
 def restore_and_reshard(

@@ -268,6 +268,19 @@ def parse_mesh_from_string(axis_dims: str, names: Sequence[str] = DEFAULT_AXIS_N
     return create_mesh(dims, names, **kwargs)
 
 
+def mesh_from_string(text: str) -> Mesh:
+    """``"fsdp:-1"`` or ``"dp:2,tp:4"``: named axes in the order given; ``"2,4"``: dp, fsdp, ...
+
+    >>> dict(mesh_from_string("dp:2,fsdp:-1").shape)
+    {'dp': 2, 'fsdp': 4}
+    """
+    parts = [p for p in text.split(",") if p.strip()]
+    names = (
+        [p.split(":")[0].strip() for p in parts] if ":" in text else list(DEFAULT_AXIS_NAMES[: len(parts)])
+    )
+    return parse_mesh_from_string(text, names)
+
+
 def create_device_mesh(
     config_mesh: Sequence[tuple[str, int]],
     *,

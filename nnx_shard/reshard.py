@@ -233,6 +233,7 @@ class LeafReshard:
     ideal_bytes: int
     peak_bytes_per_device: int
     host: str | None = None
+    intermediate: Sharding | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -394,6 +395,7 @@ def _plan_array(path: str, x: Any, target: Sharding) -> LeafReshard:
             bytes_moved=into_mid + then,
             ideal_bytes=ideal,
             peak_bytes_per_device=src_shard + mid_shard + temp + dst_shard,
+            intermediate=mid,
         )
     pieces = max(sum(1 for s in set(src.values()) if _intersect(s, b)) for b in dst.values())
     return LeafReshard(
@@ -488,7 +490,7 @@ def _reshard_array(x: Any, target: Sharding, plan: LeafReshard, donate: bool) ->
             x.shape, target, [by_device[d] for d in target.addressable_devices]
         )
     if plan.route == "collective+copy":
-        mid, _ = find_intermediate_sharding(x.sharding, target, x.shape)
+        mid = plan.intermediate  # found while planning
         with warnings.catch_warnings():  # CPU ignores donation and says so; we free x below
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             y = jax.jit(lambda a: a, out_shardings=mid, donate_argnums=0 if donate else ())(x)

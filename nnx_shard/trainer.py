@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard.checkpoint import Checkpointer, RestoreReport
 from nnx_shard.hooks import ShardingHooks
-from nnx_shard.mesh import DEFAULT_AXIS_NAMES, parse_mesh_from_string
+from nnx_shard.mesh import mesh_from_string
 from nnx_shard.multihost import _distributed_client, data_sharding, host_local_to_global
 
 logger = logging.getLogger("nnx_shard")
@@ -49,19 +49,6 @@ def default_config() -> ml_collections.ConfigDict:
     'fsdp:-1'
     """
     return ml_collections.ConfigDict(DEFAULTS)
-
-
-def mesh_from_string(text: str) -> Any:
-    """``"fsdp:-1"`` or ``"dp:2,tp:4"``: named axes in the order given; ``"2,4"``: dp, fsdp, ...
-
-    >>> dict(mesh_from_string("dp:2,fsdp:-1").shape)
-    {'dp': 2, 'fsdp': 4}
-    """
-    parts = [p for p in text.split(",") if p.strip()]
-    names = (
-        [p.split(":")[0].strip() for p in parts] if ":" in text else list(DEFAULT_AXIS_NAMES[: len(parts)])
-    )
-    return parse_mesh_from_string(text, names)
 
 
 class Trainer:
