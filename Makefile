@@ -1,10 +1,14 @@
-# Two commands on a fresh machine: `make demo` and `make test`.
+# Two commands on a fresh machine: `make demo` and `make test` (and `make test-latest`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The newest Python 3.12+ this machine has (pyenv's interpreters, then the PATH).
+LATEST_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]* 2>/dev/null | sort -V | tail -n 1 | sed 's|$$|/bin/python|')
+LATEST := .venv-latest
+LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test test-latest lint install bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,16 +24,27 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-		$(PY) -m pytest -q
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q
+
+# The same suite on the newest Python and the newest jax, flax, optax and orbax-checkpoint.
+$(LATEST_STAMP): pyproject.toml
+	@test -n "$(LATEST_PYTHON)" || (echo "no Python 3.12+ found under pyenv; set LATEST_PYTHON=/path/to/python3.12+" && exit 1)
+	test -x $(LATEST)/bin/python || $(LATEST_PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade -e ".[test,examples]" jax jaxlib flax optax orbax-checkpoint
+	touch $(LATEST_STAMP)
+
+test-latest: $(LATEST_STAMP)
+	@$(LATEST)/bin/python -c "import sys, jax, flax, optax, orbax.checkpoint as o; print('test-latest: Python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax-checkpoint', o.__version__)"
+	JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py
 
-BENCHES := infer init reshard restore step vit
+BENCHES := infer init reshard resize restore step vit
 
 bench: $(STAMP)
 	cd benchmarks && for b in $(BENCHES); do JAX_PLATFORMS=cpu ../$(PY) bench_$$b.py --out results/bench_$$b.json || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST) build *.egg-info

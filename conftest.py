@@ -1,9 +1,28 @@
-"""The one place that fakes devices: 8 simulated CPU devices for tests and doctests."""
+"""The one place that fakes devices: 8 simulated CPU devices for tests and doctests.
+
+Tests that start their own processes pass the count they want the same way
+(``jax.config.update("jax_num_cpu_devices", n)``); nothing else sets it.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.pop("XLA_FLAGS", None)  # one mechanism only: the config below
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+DEVICES = 8
+jax.config.update("jax_num_cpu_devices", DEVICES)
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace):
+    """What every docstring example may use without importing it."""
+    doctest_namespace.update(
+        jax=jax, jnp=jnp, np=np, nnx=nnx, Mesh=Mesh, NamedSharding=NamedSharding, PartitionSpec=PartitionSpec
+    )

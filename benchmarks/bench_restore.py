@@ -55,10 +55,9 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
     t = time.perf_counter()
     if variant == "nnx_shard":
         hooks = ns.ShardingHooks(STRATEGY, mesh)
-        hooks.objects = abstract  # restore into abstract objects: nothing allocated before the read
-        hooks.plan = ns.plan_sharding(abstract, STRATEGY, mesh)
+        hooks.adopt(abstract)  # restore into abstract objects: nothing allocated before the read
         report = str(hooks.restore_and_reshard(ns.Checkpointer(directory)))
-        states = {k: nnx.state(v) for k, v in hooks.objects.items()}
+        states = hooks.states()
     else:
         report = ""
         states_abstract = {k: nnx.state(v) for k, v in abstract.items()}

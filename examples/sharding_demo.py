@@ -75,8 +75,8 @@ def main() -> None:
         for shard in x.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     print(
-        f"\n== placed: fullest device holds {ns.plan.format_bytes(max(per_device.values()))} "
-        f"(plan: {ns.plan.format_bytes(plan.bytes_per_device)}); state {ns.plan.format_bytes(plan.total_bytes)}"
+        f"\n== placed: fullest device holds {ns.format_bytes(max(per_device.values()))} "
+        f"(plan: {ns.format_bytes(plan.bytes_per_device)}); state {ns.format_bytes(plan.total_bytes)}"
     )
 
     @nnx.jit

@@ -1,101 +1,104 @@
-"""nnx_shard: where every array of a Flax NNX training state lives."""
+"""nnx_shard: where every array of a Flax NNX training state lives.
 
-from nnx_shard.analysis import ShardingAnalyzer, create_monitored_function
-from nnx_shard.checkpoint import (
+The primary API is an ordered list of ``(regex, tactic)`` rules turned into a
+``NamedSharding`` per leaf by :func:`infer_sharding`, then placement
+(:func:`create_sharded`, :func:`place_like_target`), resharding
+(:func:`reshard`), checkpoints (:class:`Checkpointer`,
+:func:`restore_and_reshard`), :class:`ShardingHooks` and the :class:`Trainer`.
+The seeds' API (eformer's rules and analyzer, big_vision's local-slice helpers)
+lives in :mod:`nnx_shard.compat` and is re-exported here under its old names.
+"""
+
+from nnx_shard._checkpoint import Checkpointer, RestoreReport, abstract_target
+from nnx_shard._errors import (
+    BarrierTimeoutError,
+    BatchStructureError,
     CheckpointCorruptError,
-    Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
-    NoCheckpointError,
-    RestoreReport,
-    abstract_target,
-)
-from nnx_shard.errors import (
+    CLIError,
+    ConfigError,
+    DistributedNotInitializedError,
     IndivisibleShardingError,
+    InvalidRegexError,
     InvalidStrategyError,
+    LifecycleError,
+    LocalSliceError,
     MeshAxisError,
     MeshError,
+    NnxShardError,
+    NnxShardWarning,
+    NoCheckpointError,
+    NoIntermediateShardingError,
+    NoIntermediateShardingNeededError,
+    PlacementError,
+    ReshardError,
     ShardingConflictError,
     ShardingError,
+    StateTypeError,
     TacticArgumentError,
     TacticError,
     TacticSyntaxError,
+    UnknownConfigKeyError,
     UnknownTacticError,
     UnmatchedLeavesError,
-)
-from nnx_shard.hooks import ShardingHooks, restore_and_reshard
-from nnx_shard.inference import (
-    InvalidRegexError,
     UnusedRuleWarning,
-    infer_sharding,
-    plan_sharding,
 )
-from nnx_shard.mesh import (
+from nnx_shard._hooks import ShardingHooks, restore_and_reshard
+from nnx_shard._inference import infer_sharding, plan_sharding
+from nnx_shard._mesh import (
     calculate_host_mesh_shape,
-    cpu_context,
-    create_cpu_mesh,
-    create_device_mesh,
     create_mesh,
     describe_mesh,
-    force_cpu,
     mesh_from_string,
     parse_mesh_dims,
-    parse_mesh_from_string,
 )
-from nnx_shard.multihost import (
-    BarrierTimeoutError,
-    DistributedNotInitializedError,
-    LocalSliceError,
-    barrier_sync,
-    data_sharding,
-    get_local_slice_from_fsarray,
-    host_local_to_global,
-    make_fsarray_from_local_slice,
-)
-from nnx_shard.partition_helper import MeshPartitionHelper
-from nnx_shard.paths import Leaf, flatten_state
-from nnx_shard.placement import PlacementError, create_sharded, place_like_target, sharded_init_fn
-from nnx_shard.plan import LeafPlacement, ShardingPlan
-from nnx_shard.reshard import (
+from nnx_shard._multihost import barrier_sync, data_sharding, host_local_to_global
+from nnx_shard._paths import Leaf, flatten_state
+from nnx_shard._placement import create_sharded, place_like_target, sharded_init_fn
+from nnx_shard._plan import LeafPlacement, ShardingPlan, format_bytes
+from nnx_shard._reshard import (
     LeafReshard,
-    NoIntermediateShardingError,
-    NoIntermediateShardingNeededError,
-    ReshardError,
     ReshardPlan,
+    Route,
     find_intermediate_sharding,
     plan_reshard,
     reshard,
     reshard_with_intermediate_sharding,
 )
-from nnx_shard.rules import (
+from nnx_shard._tactic_parser import parse_tactic, register_tactic
+from nnx_shard._tactics import Tactic, annotated, fsdp, replicate, shard_dim, spec
+from nnx_shard._trainer import Trainer, default_config
+from nnx_shard._version import __version__
+from nnx_shard.compat import (
     AutoShardingRule,
     CompositeShardingRule,
     MemoryConstrainedShardingRule,
+    MeshPartitionHelper,
     ShapeBasedShardingRule,
+    ShardingAnalyzer,
     ShardingRule,
+    cpu_context,
+    create_cpu_mesh,
+    create_device_mesh,
+    create_monitored_function,
+    force_cpu,
+    get_local_slice_from_fsarray,
+    make_fsarray_from_local_slice,
+    parse_mesh_from_string,
 )
-from nnx_shard.tactics import (
-    Tactic,
-    annotated,
-    fsdp,
-    parse_tactic,
-    register_tactic,
-    replicate,
-    shard_dim,
-    spec,
-)
-from nnx_shard.trainer import Trainer, default_config
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AutoShardingRule",
     "BarrierTimeoutError",
+    "BatchStructureError",
+    "CLIError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
     "Checkpointer",
     "CompositeShardingRule",
+    "ConfigError",
     "DistributedNotInitializedError",
     "IndivisibleShardingError",
     "InvalidRegexError",
@@ -103,11 +106,14 @@ __all__ = [
     "Leaf",
     "LeafPlacement",
     "LeafReshard",
+    "LifecycleError",
     "LocalSliceError",
     "MemoryConstrainedShardingRule",
     "MeshAxisError",
     "MeshError",
     "MeshPartitionHelper",
+    "NnxShardError",
+    "NnxShardWarning",
     "NoCheckpointError",
     "NoIntermediateShardingError",
     "NoIntermediateShardingNeededError",
@@ -115,6 +121,7 @@ __all__ = [
     "ReshardError",
     "ReshardPlan",
     "RestoreReport",
+    "Route",
     "ShapeBasedShardingRule",
     "ShardingAnalyzer",
     "ShardingConflictError",
@@ -122,11 +129,13 @@ __all__ = [
     "ShardingHooks",
     "ShardingPlan",
     "ShardingRule",
+    "StateTypeError",
     "Tactic",
     "TacticArgumentError",
     "TacticError",
     "TacticSyntaxError",
     "Trainer",
+    "UnknownConfigKeyError",
     "UnknownTacticError",
     "UnmatchedLeavesError",
     "UnusedRuleWarning",
@@ -147,6 +156,7 @@ __all__ = [
     "find_intermediate_sharding",
     "flatten_state",
     "force_cpu",
+    "format_bytes",
     "fsdp",
     "get_local_slice_from_fsarray",
     "host_local_to_global",

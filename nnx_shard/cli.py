@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nnx_shard._errors import CLIError, NnxShardError
+
 DESCRIPTION = """\
 Print the sharding plan of a model, its optimizer state and EMA on a mesh,
 from abstract shapes only: nothing is allocated, so a 7B-parameter layout can
@@ -27,10 +29,6 @@ A config file (.toml or .json) may give model, mesh, strategy, model_kwargs,
 optimizer and ema; flags override it. Config files are data: nothing in them
 is executed.
 """
-
-
-class CLIError(Exception):
-    """Bad command-line input; printed without a traceback."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,8 +133,8 @@ def run_plan(args: argparse.Namespace) -> int:
     import optax
     from flax import nnx
 
-    from nnx_shard.inference import plan_sharding
-    from nnx_shard.mesh import mesh_from_string
+    from nnx_shard._inference import plan_sharding
+    from nnx_shard._mesh import mesh_from_string
 
     mesh = mesh_from_string(mesh_text)
     factory = _import_factory(model_spec)
@@ -180,11 +178,9 @@ def run_plan(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``nnx-shard`` and ``python -m nnx_shard``."""
     args = _parser().parse_args(argv)
-    from nnx_shard.errors import ShardingError
-
     try:
         return run_plan(args)
-    except (CLIError, ShardingError) as e:
+    except NnxShardError as e:
         print(f"nnx-shard: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 

@@ -13,8 +13,8 @@ import nnx_shard as ns
 def need_devices(n: int) -> None:
     if jax.device_count() < n:
         pytest.skip(
-            f"needs {n} devices, found {jax.device_count()}: run through `make test`, or set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+            f"needs {n} devices, found {jax.device_count()}: run pytest from the repository root, "
+            f"whose conftest.py simulates 8 CPU devices (or run `make test`)"
         )
 
 

@@ -328,22 +328,3 @@ def test_callable_and_registered_tactics():
     # A user tactic that returns an invalid spec is caught like a built-in one.
     with pytest.raises(ns.IndivisibleShardingError, match=r"cannot shard dim 1 of 'w' \(shape \(16, 3\)\)"):
         ns.infer_sharding(state, [(".*", lambda c, m, n, leaf: (None, "fsdp"))], mesh)
-
-
-def test_plan_totals_and_table():
-    mesh = mesh_of("8")
-    state = {
-        "big": jax.ShapeDtypeStruct((64, 128), jnp.float32),
-        "small": jax.ShapeDtypeStruct((7,), jnp.bfloat16),
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-    }
-    plan = ns.plan_sharding(state, [("big", F), (".*", "replicate")], mesh)
-    assert plan.sharded_bytes_per_device == 64 * 128 * 4 // 8
-    assert plan.replicated_bytes_per_device == 7 * 2 + 4
-    assert plan.bytes_per_device == 4096 + 18
-    assert plan.total_bytes == 64 * 128 * 4 + 18
-    text = str(plan)
-    assert "big" in text and "(None, fsdp)" in text and "4.0 KiB" in text
-    assert "rule 0: ('big'," in text
-    d = plan.to_dict()
-    assert d["leaves"][0]["spec"] == [None, "fsdp"]

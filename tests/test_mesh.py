@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from nnx_shard.errors import MeshError
+from nnx_shard import MeshError
 
 
 @pytest.mark.parametrize(

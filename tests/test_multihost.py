@@ -22,7 +22,9 @@ def test_barrier_with_mismatched_or_skipped_names_times_out_clearly(multiprocess
     assert 2.5 < p0["seconds"] < 15
     assert "barrier 'save' (id save#0) timed out after 3 s: 2 of 3 processes did not arrive" in p0["message"]
     # Each side may already have given up when the other writes its report: either wording is right.
-    assert "1 (waiting at 'restore#0')" in p0["message"] or "1 (gave up waiting at 'restore#0')" in p0["message"]
+    assert (
+        "1 (waiting at 'restore#0')" in p0["message"] or "1 (gave up waiting at 'restore#0')" in p0["message"]
+    )
     assert "2 (not at any barrier)" in p0["message"]
     assert "barrier 'restore'" in p1["message"]
     assert "0 (waiting at 'save#0')" in p1["message"] or "0 (gave up waiting at 'save#0')" in p1["message"]

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard.reshard import NoIntermediateShardingError, NoIntermediateShardingNeededError
+from nnx_shard import NoIntermediateShardingError, NoIntermediateShardingNeededError
 
 D = jax.devices
 
@@ -90,7 +90,7 @@ def test_table(case, dtype):
     assert not plan.through_host
     np.testing.assert_array_equal(np.asarray(y), host)
     assert leaf.bytes_moved >= leaf.ideal_bytes
-    if leaf.route in ("copy", "assemble"):
+    if leaf.route in ("collective", "pieces"):
         assert leaf.bytes_moved == leaf.ideal_bytes, leaf  # each byte moves once
     grown = max(after.get(d, 0) - before.get(d, 0) for d in after)
     src_shard = max(s.data.nbytes for s in x.addressable_shards)
@@ -103,9 +103,9 @@ def test_fsdp8_to_tp4_moves_the_ideal_and_never_gathers():
     plan = ns.plan_reshard(x, dst)
     assert plan.ideal_bytes == 56 * 2**20  # as measured in ANCHORS
     assert plan.bytes_moved == plan.ideal_bytes
-    assert (
-        plan.peak_bytes_per_device <= 8 * 2**20 + 2 * 16 * 2**20
-    )  # source shard + 2 target shards, never 64 MiB
+    # Source shard + 2 target shards (the result and XLA's in-flight pieces) and XLA's scalars,
+    # never the 64 MiB of the whole array.
+    assert plan.peak_bytes_per_device <= 8 * 2**20 + 2 * 16 * 2**20 + 64
     mid, replicated = ns.find_intermediate_sharding(src, dst, x.shape)
     # The seed's planner returns a fully replicated intermediate here; this one keeps 4-way sharding,
     # arranged so the 4 target devices already hold their own block.
@@ -113,22 +113,21 @@ def test_fsdp8_to_tp4_moves_the_ideal_and_never_gathers():
     blocks = mid.devices_indices_map(x.shape)
     for d, index in dst.devices_indices_map(x.shape).items():
         assert blocks[d] == index
-    # XLA cannot reach that intermediate without rematerializing, so reshard copies pieces instead.
+    # XLA cannot reach that intermediate without rematerializing, so reshard sends its pieces
+    # inside one program instead.
     compiled = jax.jit(lambda a: a, out_shardings=mid).lower(x).compile()
     assert compiled.memory_analysis().temp_size_in_bytes >= x.nbytes
-    assert plan.leaves[0].route == "assemble"
+    assert plan.leaves[0].route == "collective"
 
 
-def test_collective_route_when_xla_does_it_cheaply():
+def test_collective_route_moves_pieces_inside_one_program():
     src, dst = (f() for f in CASES["same devices, dim swap"])
     x = jax.device_put(jnp.arange(256.0 * 256).reshape(256, 256), src)
     leaf = ns.plan_reshard(x, dst).leaves[0]
-    assert leaf.route in ("collective+copy", "assemble")
+    assert leaf.route == ns.Route.COLLECTIVE and leaf.piece == (32, 32)
+    assert leaf.bytes_moved == leaf.ideal_bytes == 256 * 256 * 4 * 7 // 8
     y = ns.reshard(x, dst)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
-    if leaf.route == "collective+copy":
-        compiled = jax.jit(lambda a: a, out_shardings=dst).lower(x).compile()
-        assert compiled.memory_analysis().temp_size_in_bytes < x.nbytes
 
 
 @pytest.mark.parametrize(
@@ -243,5 +242,5 @@ def test_random_reshard_is_bitwise_and_minimal(pair, dtype):
     assert y.sharding == dst
     np.testing.assert_array_equal(np.asarray(y), host)
     leaf = plan.leaves[0]
-    if leaf.route in ("copy", "assemble"):
+    if leaf.route in ("collective", "pieces"):
         assert leaf.bytes_moved == leaf.ideal_bytes

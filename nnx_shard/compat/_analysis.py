@@ -10,28 +10,19 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard.paths import path_to_str
-from nnx_shard.rules import resolve_mesh
-from nnx_shard.tactics import format_spec, spec_axes
+from nnx_shard._mesh import resolve_mesh
+from nnx_shard._paths import flatten_with_paths, is_variable
+from nnx_shard._specs import entry_axes, format_spec, itemsize, normalize_spec, shard_shape, spec_problems
 
 
 def _pairs(pytree: Any, partition_specs: Any) -> list[tuple[str, Any, PartitionSpec]]:
-    from flax import nnx
-
-    is_leaf = lambda x: isinstance(x, (PartitionSpec, nnx.Variable))
-    specs = jax.tree_util.tree_flatten_with_path(partition_specs, is_leaf=is_leaf)[0]
+    is_leaf = lambda x: isinstance(x, PartitionSpec) or is_variable(x)
+    specs = flatten_with_paths(partition_specs, is_leaf=is_leaf)[0]
     arrays = jax.tree_util.tree_flatten(pytree, is_leaf=is_leaf)[0]
-    out = []
-    for (path, spec), x in zip(specs, arrays, strict=True):
-        if isinstance(x, nnx.Variable):
-            x = x.get_value()
-        if isinstance(spec, nnx.Variable):
-            spec = spec.get_value()
-        out.append((path_to_str(path), x, spec))
-    return out
+    unwrap = lambda v: v.get_value() if is_variable(v) else v
+    return [(path, unwrap(x), unwrap(spec)) for (path, spec), x in zip(specs, arrays, strict=True)]
 
 
 class ShardingAnalyzer:
@@ -63,27 +54,17 @@ class ShardingAnalyzer:
             if not hasattr(x, "shape") or spec is None:
                 continue
             spec = tuple(spec)
-            if len(spec) > len(x.shape):
-                issues.append(f"{path}: {format_spec(spec)} has more entries than dims {x.shape}")
-                continue
-            axes = spec_axes(spec)
-            for a in axes:
-                if a not in self.mesh.shape:
-                    issues.append(f"{path}: axis {a!r} is not in the mesh {tuple(self.mesh.axis_names)}")
-            for a in sorted({a for a in axes if axes.count(a) > 1}):
-                issues.append(f"{path}: axis {a!r} is used twice in {format_spec(spec)}")
-            for i, entry in enumerate(spec):
-                if entry is None:
-                    continue
-                names = (entry,) if isinstance(entry, str) else entry
-                if any(n not in self.mesh.shape for n in names):
-                    continue
-                k = math.prod(self.mesh.shape[n] for n in names)
-                if x.shape[i] % k:
-                    shown = repr(entry) if isinstance(entry, str) else repr(tuple(entry))
+            for p in spec_problems(spec, x.shape, self.mesh.shape):
+                if p.kind == "rank":
+                    issues.append(f"{path}: {format_spec(spec)} has more entries than dims {x.shape}")
+                elif p.kind == "axis":
+                    issues.append(f"{path}: axis {p.axis!r} is not in the mesh {tuple(self.mesh.axis_names)}")
+                elif p.kind == "twice":
+                    issues.append(f"{path}: axis {p.axis!r} is used twice in {format_spec(spec)}")
+                else:
                     issues.append(
-                        f"{path}: dim {i} of size {x.shape[i]} is not divisible by {shown} ({k}) "
-                        f"in {format_spec(spec)}"
+                        f"{path}: dim {p.dim} of size {p.size} is not divisible by {p.axis!r} "
+                        f"({p.shards}) in {format_spec(spec)}"
                     )
         return issues
 
@@ -97,16 +78,12 @@ class ShardingAnalyzer:
         for _, x, spec in _pairs(pytree, partition_specs):
             if not hasattr(x, "shape"):
                 continue
-            itemsize = np.dtype(x.dtype).itemsize if hasattr(x.dtype, "kind") else x.dtype.itemsize
-            n = math.prod(x.shape) * itemsize
-            total += n
-            shard = itemsize
-            spec = tuple(spec or ()) + (None,) * (len(x.shape) - len(tuple(spec or ())))
-            for d, entry in zip(x.shape, spec, strict=True):
-                names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-                k = math.prod(self.mesh.shape.get(a, 1) for a in names)
-                shard *= -(-d // k)
-            per_device += shard
+            total += math.prod(x.shape) * itemsize(x.dtype)
+            known = [
+                e if all(a in self.mesh.shape for a in entry_axes(e)) else None for e in tuple(spec or ())
+            ]
+            sharding = NamedSharding(self.mesh, PartitionSpec(*normalize_spec(known, len(x.shape))))
+            per_device += math.prod(shard_shape(sharding, x.shape)) * itemsize(x.dtype)
         return {"total_size": total, "size_per_device": per_device}
 
 

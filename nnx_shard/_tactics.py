@@ -1,80 +1,37 @@
-"""Sharding tactics (replicate, fsdp, shard_dim, spec, annotated), their safe string parser and registry.
+"""Sharding tactics: replicate, fsdp, shard_dim, spec, annotated, chained with ``|``.
 
 A tactic is a callable ``(cur_spec, mesh, name, leaf) -> spec`` where a spec is
 a tuple with one entry per dimension (``None``, an axis name, or a tuple of
 axis names). Tactics chain with ``|``; the next one starts from the spec the
-previous one returned.
+previous one returned. Strings name tactics through the parser and registry
+in :mod:`nnx_shard._tactic_parser`.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from nnx_shard.errors import (
+from nnx_shard._errors import (
     IndivisibleShardingError,
     MeshAxisError,
     ShardingConflictError,
     TacticArgumentError,
-    TacticSyntaxError,
-    UnknownTacticError,
 )
-from nnx_shard.paths import Leaf
-from nnx_shard.rules import ShardingRule
+from nnx_shard._paths import Leaf
+from nnx_shard._specs import (
+    Spec,
+    SpecEntry,
+    entry_size,
+    format_spec,
+    normalize_spec,
+    spec_axes,
+    spec_problems,
+)
 
-SpecEntry = None | str | tuple[str, ...]
-Spec = tuple[SpecEntry, ...]
 AxisArg = str | Sequence[str]
-
-
-def format_spec(spec: Sequence[SpecEntry]) -> str:
-    """``P(None, 'fsdp')``, the way error messages and plans print a spec."""
-    return "P(" + ", ".join(repr(e) for e in spec) + ")"
-
-
-def spec_axes(spec: Sequence[SpecEntry]) -> list[str]:
-    """All mesh axes a spec uses, in order, with repeats."""
-    out: list[str] = []
-    for entry in spec:
-        if entry is None:
-            continue
-        out.extend((entry,) if isinstance(entry, str) else entry)
-    return out
-
-
-def entry_size(mesh: Mesh, entry: SpecEntry) -> int:
-    """The number of shards one spec entry cuts a dimension into."""
-    if entry is None:
-        return 1
-    axes = (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def normalize_spec(spec: Any, ndim: int, where: str = "") -> Spec:
-    """A PartitionSpec, tuple or list as a tuple of exactly ``ndim`` entries."""
-    entries = tuple(spec) if spec is not None else ()
-    if len(entries) > ndim:
-        raise TacticArgumentError(
-            f"gives {len(entries)} spec entries {format_spec(entries)} for {where} "
-            f"with {ndim} dimensions; give at most {ndim}."
-        )
-    out: list[SpecEntry] = []
-    for e in entries:
-        if e is None or isinstance(e, str):
-            out.append(e)
-        elif isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
-            out.append(tuple(e) if len(e) > 1 else (e[0] if e else None))
-        else:
-            raise TacticArgumentError(
-                f"gives spec entry {e!r} for {where}; entries are None, an axis name, "
-                f"or a tuple of axis names."
-            )
-    return tuple(out) + (None,) * (ndim - len(out))
 
 
 def _axes(axis: AxisArg, tactic: str) -> tuple[str, ...]:
@@ -121,13 +78,24 @@ class Tactic:
         raise NotImplementedError
 
     def __or__(self, other: Any) -> Chain:
-        return Chain((self, as_tactic(other)))
+        return Chain((self, _chainable(other)))
 
     def __ror__(self, other: Any) -> Chain:
-        return Chain((as_tactic(other), self))
+        return Chain((_chainable(other), self))
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _chainable(other: Any) -> Tactic:
+    if isinstance(other, Tactic):
+        return other
+    if callable(other) and not isinstance(other, str):
+        return FunctionTactic(other)
+    raise TacticArgumentError(
+        f"cannot chain {other!r} with |; chain Tactic objects (ns.fsdp('fsdp') | ns.replicate()), "
+        f"or write the whole chain as one string for nnx_shard.parse_tactic."
+    )
 
 
 class Chain(Tactic):
@@ -188,7 +156,7 @@ class _Fsdp(Tactic):
                 f"min_size_to_shard_mb={self.min_size_to_shard_mb}"
             )
             return cur_spec
-        size = math.prod(mesh.shape[a] for a in self.axes)
+        size = entry_size(mesh.shape, self.axes)
         # Largest dimension first; among equal sizes the last one (the output
         # features of a kernel), as big_vision does.
         for i in sorted(range(leaf.ndim), key=lambda i: (leaf.shape[i], i), reverse=True):
@@ -218,8 +186,8 @@ def fsdp(axis: AxisArg, min_size_to_shard_mb: float = 4) -> Tactic:
       axis: a mesh axis name, or a tuple of names sharding one dimension together.
       min_size_to_shard_mb: leaves this small or smaller are not sharded.
 
-    >>> from nnx_shard.mesh import create_mesh
-    >>> from nnx_shard.paths import Leaf
+    >>> from nnx_shard import create_mesh
+    >>> from nnx_shard import Leaf
     >>> mesh = create_mesh((8,), ("fsdp",))
     >>> leaf = Leaf("w", (1024, 4096), "float32")
     >>> fsdp("fsdp")((None, None), mesh, "w", leaf)
@@ -249,7 +217,7 @@ class _ShardDim(Tactic):
                 f"{format_spec(cur_spec)}. Put the more specific rule first, or drop one tactic."
             )
         _check_unused(self.axes, cur_spec, leaf, str(self))
-        size = math.prod(mesh.shape[a] for a in self.axes)
+        size = entry_size(mesh.shape, self.axes)
         if leaf.shape[i] % size:
             raise IndivisibleShardingError(
                 f"cannot shard dim {self.dim} of {leaf.describe()} over "
@@ -266,8 +234,8 @@ class _ShardDim(Tactic):
 def shard_dim(axis: AxisArg, dim: int) -> Tactic:
     """Shards dimension ``dim`` (negative counts from the end) over ``axis``; raises if it cannot.
 
-    >>> from nnx_shard.mesh import create_mesh
-    >>> from nnx_shard.paths import Leaf
+    >>> from nnx_shard import create_mesh
+    >>> from nnx_shard import Leaf
     >>> mesh = create_mesh((2, 4), ("dp", "tp"))
     >>> shard_dim("tp", -1)((None, None), mesh, "w", Leaf("w", (6, 8), "float32"))
     (None, 'tp')
@@ -295,8 +263,8 @@ class _Spec(Tactic):
 def spec(*entries: SpecEntry) -> Tactic:
     """Sets an explicit PartitionSpec (missing trailing entries are None).
 
-    >>> from nnx_shard.mesh import create_mesh
-    >>> from nnx_shard.paths import Leaf
+    >>> from nnx_shard import create_mesh
+    >>> from nnx_shard import Leaf
     >>> mesh = create_mesh((2, 4), ("dp", "tp"))
     >>> spec("tp")((None, None), mesh, "w", Leaf("w", (8, 3), "float32"))
     ('tp', None)
@@ -396,20 +364,21 @@ def validate_spec(spec_: Spec, mesh: Mesh, leaf: Leaf, tactic: str) -> Spec:
       ShardingConflictError: a mesh axis used twice.
       IndivisibleShardingError: a dimension not divisible by its shards.
     """
-    axes = spec_axes(spec_)
-    check_axes(axes, mesh, leaf, tactic)
-    twice = sorted({a for a in axes if axes.count(a) > 1})
-    if twice:
-        raise ShardingConflictError(
-            f"gives {leaf.describe()} the spec {format_spec(spec_)}, which uses mesh axis "
-            f"{twice[0]!r} twice. A mesh axis may shard one dimension only."
-        )
-    for i, entry in enumerate(spec_):
-        n = entry_size(mesh, entry)
-        if leaf.shape[i] % n:
+    for p in spec_problems(spec_, leaf.shape, mesh.shape):
+        if p.kind == "axis":
+            raise MeshAxisError(
+                f"cannot place {leaf.describe()} with {tactic}: mesh axis {p.axis!r} is not "
+                f"in the mesh, whose axes are {tuple(mesh.axis_names)}. Use one of those names."
+            )
+        if p.kind == "twice":
+            raise ShardingConflictError(
+                f"gives {leaf.describe()} the spec {format_spec(spec_)}, which uses mesh axis "
+                f"{p.axis!r} twice. A mesh axis may shard one dimension only."
+            )
+        if p.kind == "indivisible":
             raise IndivisibleShardingError(
-                f"cannot shard dim {i} of {leaf.describe()} as {format_spec(spec_)}: "
-                f"{leaf.shape[i]} is not divisible by {n}. Pick another dim or axis."
+                f"cannot shard dim {p.dim} of {leaf.describe()} as {format_spec(spec_)}: "
+                f"{p.size} is not divisible by {p.shards}. Pick another dim or axis."
             )
     return spec_
 
@@ -429,174 +398,6 @@ class FunctionTactic(Tactic):
         return self.text
 
 
-class RuleTactic(Tactic):
-    """A :class:`nnx_shard.ShardingRule` standing as the tactic of a strategy entry."""
-
-    def __init__(self, rule: Any):
-        self.rule = rule
-
-    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
-        out = normalize_spec(self.rule.apply(leaf.value), leaf.ndim, leaf.describe())
-        if any(e is not None for e in out) and any(e is not None for e in cur_spec):
-            raise ShardingConflictError(
-                f"cannot apply {self} to {leaf.describe()}: it is already "
-                f"{format_spec(cur_spec)}. Put the rule first in the chain."
-            )
-        if all(e is None for e in out):
-            return cur_spec
-        return validate_spec(out, mesh, leaf, str(self))
-
-    def __str__(self) -> str:
-        return type(self.rule).__name__
-
-
-_REGISTRY: dict[str, Callable[..., Any]] = {}
-
-
-def register_tactic(name: str | Callable[..., Any] | None = None) -> Any:
-    """Registers a tactic factory under a name usable in tactic strings.
-
-    The factory takes literal arguments and returns a :class:`Tactic` or a
-    plain callable ``(cur_spec, mesh, name, leaf) -> spec``.
-
-    >>> @register_tactic("first_dim")
-    ... def first_dim(axis):
-    ...     return lambda cur, mesh, name, leaf: (axis,) + cur[1:]
-    >>> str(parse_tactic("first_dim(axis='fsdp')"))
-    "first_dim(axis='fsdp')"
-    """
-
-    def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
-        key = name if isinstance(name, str) else factory.__name__
-        if not key.isidentifier():
-            raise TacticArgumentError(f"a tactic name must be an identifier; got {key!r}.")
-        _REGISTRY[key] = factory
-        return factory
-
-    if callable(name):
-        return deco(name)
-    return deco
-
-
-def registered_tactics() -> list[str]:
-    """The names usable in tactic strings."""
-    return sorted(_REGISTRY)
-
-
-for _factory in (replicate, fsdp, shard_dim, spec, annotated):
-    register_tactic(_factory)
-register_tactic("logical_partitioning")(annotated)
-
-
-def _literal(node: ast.AST, text: str) -> Any:
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        raise TacticSyntaxError(
-            f"tactic {text!r}: argument {ast.unparse(node)!r} is not a literal. Tactic "
-            f"arguments are strings, numbers, None, or tuples and lists of them; nothing is run."
-        ) from None
-
-
-def _build(term: ast.AST, text: str) -> Tactic:
-    if isinstance(term, ast.Name):
-        name, args, kwargs = term.id, [], {}
-    elif isinstance(term, ast.Call) and isinstance(term.func, ast.Name):
-        if any(isinstance(a, ast.Starred) for a in term.args) or any(k.arg is None for k in term.keywords):
-            raise TacticSyntaxError(f"tactic {text!r}: *args and **kwargs are not allowed.")
-        name = term.func.id
-        args = [_literal(a, text) for a in term.args]
-        kwargs = {k.arg: _literal(k.value, text) for k in term.keywords}
-    else:
-        raise TacticSyntaxError(
-            f"tactic {text!r}: {ast.unparse(term)!r} is not a tactic call. Write "
-            f"name(arg=literal, ...) joined by '|', e.g. \"fsdp(axis='fsdp')|shard_dim(axis='tp', dim=-1)\"."
-        )
-    return make_tactic(name, *args, **kwargs)
-
-
-def make_tactic(name: str, *args: Any, **kwargs: Any) -> Tactic:
-    """Builds a registered tactic by name, checking the arguments against its signature.
-
-    >>> str(make_tactic("shard_dim", "tp", dim=0))
-    "shard_dim(axis='tp', dim=0)"
-    """
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise UnknownTacticError(
-            f"unknown tactic {name!r}; the tactics are {registered_tactics()}. "
-            f"Register your own with @nnx_shard.register_tactic."
-        )
-    sig = inspect.signature(factory)
-    shown = ", ".join(
-        p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in sig.parameters.values()
-    )
-    unknown = [k for k in kwargs if k not in sig.parameters]
-    try:
-        if unknown:
-            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TacticArgumentError(f"{name}(): {e}; it takes {name}({shown}).") from None
-    out = factory(*args, **kwargs)
-    if isinstance(out, Tactic):
-        return out
-    if callable(out):
-        bound = sig.bind(*args, **kwargs)
-        given = ", ".join(f"{k}={v!r}" for k, v in bound.arguments.items())
-        return FunctionTactic(out, f"{name}({given})")
-    raise TacticArgumentError(
-        f"tactic factory {name!r} returned {out!r}; it must return a callable "
-        f"(cur_spec, mesh, name, leaf) -> spec."
-    )
-
-
-def parse_tactic(text: str) -> Tactic:
-    """Parses ``"fsdp(axis='fsdp')|shard_dim(axis='tp', dim=-1)"`` without running any code.
-
-    Only registered tactic names and literal arguments are accepted (Python's
-    ``ast``; never ``eval``).
-
-    Raises:
-      TacticSyntaxError: anything but a ``|`` chain of calls with literal arguments.
-      UnknownTacticError: a name that is not registered.
-      TacticArgumentError: arguments that do not fit the tactic.
-
-    >>> parse_tactic("fsdp(axis=('dp', 'fsdp'))|shard_dim(axis='tp', dim=0)").tactics[1].dim
-    0
-    """
-    if not isinstance(text, str) or not text.strip():
-        raise TacticSyntaxError(f"expected a tactic string like \"fsdp(axis='fsdp')\"; got {text!r}.")
-    try:
-        tree = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError as e:
-        raise TacticSyntaxError(f"tactic {text!r} is not valid syntax: {e.msg}.") from None
-    terms: list[ast.AST] = []
-
-    def walk(node: ast.AST) -> None:
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-            walk(node.left)
-            walk(node.right)
-        else:
-            terms.append(node)
-
-    walk(tree)
-    tactics = [_build(t, text) for t in terms]
-    return tactics[0] if len(tactics) == 1 else Chain(tactics)
-
-
-def as_tactic(tactic: Any) -> Tactic:
-    """A Tactic from a tactic string, a Tactic, a ShardingRule or a plain callable."""
-    if isinstance(tactic, Tactic):
-        return tactic
-    if isinstance(tactic, str):
-        return parse_tactic(tactic)
-    if isinstance(tactic, ShardingRule):
-        return RuleTactic(tactic)
-    if isinstance(tactic, PartitionSpec):
-        return _Spec(tuple(tactic))
-    if callable(tactic):
-        return FunctionTactic(tactic)
-    raise TacticArgumentError(
-        f"expected a tactic string, a Tactic, a ShardingRule or a callable; got {tactic!r}."
-    )
+def spec_tactic(entries: Sequence[Any]) -> Tactic:
+    """The :func:`spec` tactic for a PartitionSpec's entries (used for strategies that hold a PartitionSpec)."""
+    return _Spec(tuple(entries))

@@ -1,4 +1,4 @@
-"""NNX state <-> ``encoder/layers/0/mlp/kernel``, and which parameter an optimizer or EMA leaf mirrors."""
+"""NNX state <-> ``encoder/layers/0/mlp/kernel``: the one path flattener, and which parameter a leaf mirrors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
+
+from nnx_shard._specs import itemsize
 
 # The first path segment under which a state mirrors the parameters:
 # ``nnx.Optimizer`` keeps ``opt_state``, ``nnx.EMA`` keeps ``params``.
@@ -45,21 +47,28 @@ def optax_state_fields() -> frozenset[str]:
     return frozenset(fields | MIRROR_ROOTS)
 
 
-def key_name(key: Any) -> str:
-    """The path segment of one jax key entry (dict key, index or attribute)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+def is_variable(x: Any) -> bool:
+    """True for an ``nnx.Variable`` (the leaves of NNX states)."""
+    return isinstance(x, nnx.Variable)
 
 
-def path_to_str(keypath: tuple[Any, ...]) -> str:
+def path_str(keypath: tuple[Any, ...]) -> str:
     """Joins a jax key path with ``/``: ``(DictKey('up'), DictKey('kernel'))`` -> ``'up/kernel'``.
 
-    >>> path_to_str(jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0][1][0])
+    >>> path_str(jax.tree_util.tree_flatten_with_path({"a": [1, 2]})[0][1][0])
     'a/1'
     """
-    return "/".join(key_name(k) for k in keypath)
+    return jax.tree_util.keystr(keypath, simple=True, separator="/")
+
+
+def flatten_with_paths(tree: Any, is_leaf: Any = is_variable) -> tuple[list[tuple[str, Any]], Any]:
+    """``([(path, leaf), ...], treedef)``: every leaf with its ``/``-joined path, Variables as leaves.
+
+    >>> flatten_with_paths({"w": 1, "b": [2, 3]})[0]
+    [('b/0', 2), ('b/1', 3), ('w', 1)]
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(path_str(p), v) for p, v in flat], treedef
 
 
 def _is_structural(segment: str) -> bool:
@@ -129,7 +138,7 @@ class Leaf:
 
     @property
     def itemsize(self) -> int:
-        return 0 if self.dtype is None else _itemsize(self.dtype)
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -150,11 +159,6 @@ class Leaf:
     def describe(self) -> str:
         """``'up/kernel' (shape (16, 32))``, for error messages."""
         return f"{self.path!r} (shape {self.shape})"
-
-
-def _itemsize(dtype: Any) -> int:
-    size = getattr(dtype, "itemsize", None)
-    return int(size) if size is not None else np.dtype(dtype).itemsize
 
 
 def abstract_of(value: Any) -> tuple[tuple[int, ...], Any] | None:
@@ -193,10 +197,6 @@ def as_state(tree: Any) -> tuple[Any, int]:
     return tree, 0
 
 
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
     """Flattens a state, Module or pytree into :class:`Leaf` records and a treedef.
 
@@ -205,15 +205,15 @@ def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
     of the same structure holding ``values``.
     """
     state, group_depth = as_state(tree)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_leaf)
+    flat, treedef = flatten_with_paths(state)
     leaves = []
-    for keypath, value in flat:
-        segments = tuple(key_name(k) for k in keypath)
+    for path, value in flat:
+        segments = tuple(path.split("/")) if path else ()
         abstract = abstract_of(value)
         shape, dtype = abstract if abstract is not None else (None, None)
         leaves.append(
             Leaf(
-                path="/".join(segments),
+                path=path,
                 shape=shape,
                 dtype=dtype,
                 variable=value if isinstance(value, nnx.Variable) else None,
@@ -231,5 +231,4 @@ def flatten_state(state: Any) -> Iterator[tuple[str, Any]]:
     ['bias', 'kernel']
     """
     state, _ = as_state(state)
-    for keypath, value in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_leaf)[0]:
-        yield path_to_str(keypath), value
+    yield from flatten_with_paths(state)[0]

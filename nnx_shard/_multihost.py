@@ -1,4 +1,4 @@
-"""Synchronizing processes (named barriers with timeouts) and host-local <-> global arrays."""
+"""Synchronizing processes (named barriers with timeouts) and host-local batches as global arrays."""
 
 from __future__ import annotations
 
@@ -11,45 +11,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard.errors import ShardingError
+from nnx_shard._errors import BarrierTimeoutError, LocalSliceError, ShardingError
+from nnx_shard._jax_private import distributed_client
 
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp", "data", "batch")
-
-
-class BarrierTimeoutError(TimeoutError):
-    """Not every process reached a barrier in time; the message names who is missing."""
-
-
-class DistributedNotInitializedError(RuntimeError):
-    """Several processes but no distributed client: ``jax.distributed.initialize`` was not called."""
-
-
-class LocalSliceError(ShardingError):
-    """A host-local slice that does not fit the devices or the global array."""
-
-
-def _distributed_client() -> Any:
-    """JAX's coordination-service client: the one place nnx_shard touches private JAX.
-
-    Tries the current location (``jax._src.distributed.global_state.client``)
-    and falls back to older ones.
-    """
-    state = None
-    for module in ("jax._src.distributed", "jax.distributed"):
-        try:
-            mod = __import__(module, fromlist=["global_state"])
-        except ImportError:  # pragma: no cover - moved in a future JAX
-            continue
-        state = getattr(mod, "global_state", None)
-        if state is not None:
-            break
-    client = getattr(state, "client", None)
-    if client is None:
-        raise DistributedNotInitializedError(
-            f"{jax.process_count()} processes but no distributed client; call "
-            f"jax.distributed.initialize(...) in every process before barrier_sync."
-        )
-    return client
 
 
 _calls: collections.Counter[str] = collections.Counter()
@@ -94,8 +59,8 @@ def barrier_sync(name: str | None = None, timeout: float = 200) -> None:
     if jax.process_count() == 1:
         return
     if timeout <= 0:
-        raise ValueError(f"barrier_sync timeout must be positive seconds; got {timeout!r}.")
-    client = _distributed_client()
+        raise ShardingError(f"barrier_sync timeout must be positive seconds; got {timeout!r}.")
+    client = distributed_client()
     barrier_id, shown = _barrier_id(name)
     me = jax.process_index()
     client.key_value_set(f"nnx_shard_waiting/{me}", barrier_id, allow_overwrite=True)
@@ -144,70 +109,6 @@ def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, er
         f"crashed, be slower than the timeout, or have called a barrier with another name or "
         f"another number of times."
     )
-
-
-def make_fsarray_from_local_slice(local_slice: Any, global_devices: Sequence[Any]) -> jax.Array:
-    """Stacks every process's ``local_slice`` into one array sharded on dim 0 over ``global_devices``.
-
-    Args:
-      local_slice: this process's rows (anything ``np.asarray`` takes); its
-        first dimension must split evenly over this process's devices.
-      global_devices: all devices, in the same order in every process.
-
-    Returns:
-      A global array of shape ``(rows * process_count, ...)``.
-
-    >>> x = make_fsarray_from_local_slice(np.arange(16).reshape(8, 2), jax.devices())
-    >>> x.shape, x.sharding.spec
-    ((8, 2), P('devices',))
-    """
-    mesh = Mesh(np.asarray(global_devices), ("devices",))
-    local = mesh.local_devices
-    x = np.asarray(local_slice)
-    if x.ndim == 0 or x.shape[0] % len(local):
-        raise LocalSliceError(
-            f"local slice of shape {x.shape} cannot be split over this process's {len(local)} "
-            f"devices: its first dimension must be a multiple of {len(local)}."
-        )
-    sharding = NamedSharding(mesh, PartitionSpec("devices"))
-    global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-    pieces = jax.device_put(np.split(x, len(local), axis=0), local)
-    return jax.make_array_from_single_device_arrays(global_shape, sharding, pieces)
-
-
-def get_local_slice_from_fsarray(global_array: jax.Array) -> np.ndarray:
-    """Returns this process's rows of an array sharded on dim 0 only, in device order.
-
-    The inverse of :func:`make_fsarray_from_local_slice`.
-
-    Raises:
-      LocalSliceError: the array is sharded along another dimension.
-
-    >>> x = make_fsarray_from_local_slice(np.arange(8), jax.devices())
-    >>> get_local_slice_from_fsarray(x).tolist()
-    [0, 1, 2, 3, 4, 5, 6, 7]
-    """
-    for shard in global_array.addressable_shards:
-        if any(idx != slice(None) for idx in shard.index[1:]):
-            raise LocalSliceError(
-                f"the array of shape {global_array.shape} is sharded along a dimension other "
-                f"than the first ({global_array.sharding}); only row-sharded arrays have host-local slices."
-            )
-    by_device = {s.device: s for s in global_array.addressable_shards}
-    order = (
-        global_array.sharding.mesh.local_devices
-        if hasattr(global_array.sharding, "mesh")
-        else list(by_device)
-    )
-    seen, rows = set(), []
-    for d in order:
-        s = by_device[d]
-        start = s.index[0].start if s.index else None
-        if start in seen:  # replicated rows: keep one copy
-            continue
-        seen.add(start)
-        rows.append(np.asarray(s.data))
-    return np.concatenate(rows, axis=0)
 
 
 def data_sharding(mesh: Mesh, data_axes: Sequence[str] | None = None) -> NamedSharding:

@@ -17,10 +17,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard.checkpoint import Checkpointer, RestoreReport
-from nnx_shard.hooks import ShardingHooks
-from nnx_shard.mesh import mesh_from_string
-from nnx_shard.multihost import _distributed_client, data_sharding, host_local_to_global
+from nnx_shard._checkpoint import Checkpointer, RestoreReport
+from nnx_shard._errors import ConfigError
+from nnx_shard._hooks import ShardingHooks
+from nnx_shard._mesh import mesh_from_string
+from nnx_shard._multihost import data_sharding, host_local_to_global
 
 logger = logging.getLogger("nnx_shard")
 
@@ -114,7 +115,6 @@ class Trainer:
                 async_save=merged.async_checkpoint,
             )
         self.step = 0
-        self.states: dict[str, Any] | None = None
         self._graphdefs: dict[str, Any] = {}
         self._compiled_step: Any = None
         self._preempted = False
@@ -166,11 +166,16 @@ class Trainer:
 
     def init(self) -> None:
         """Creates model, optimizer and EMA already sharded (the hooks' on_init)."""
-        if self.states is not None:
+        if self.hooks.initialized:
             return
         objects = self.hooks.on_init(self._create)
         self._graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
-        self.states = {k: nnx.state(v) for k, v in objects.items()}
+
+    @property
+    def states(self) -> dict[str, Any]:
+        """The training state of model, optimizer and EMA (``nnx.State``), owned by the hooks."""
+        self.init()
+        return self.hooks.states()
 
     @property
     def plan(self) -> Any:
@@ -181,7 +186,7 @@ class Trainer:
     def objects(self) -> dict[str, Any]:
         """The live model, optimizer and EMA, brought up to date with the training state."""
         self.init()
-        return {k: nnx.merge(self._graphdefs[k], self.states[k]) for k in self.states}
+        return self.hooks.objects
 
     def _step_fn(self) -> Callable[..., Any]:
         graphdefs = self._graphdefs
@@ -231,13 +236,8 @@ class Trainer:
         return self._preempted
 
     def _install_sigterm(self) -> Any:
-        if jax.process_count() > 1 or not _main_thread():
-            return None
-        try:
-            _distributed_client()
+        if jax.process_count() > 1 or not _main_thread() or jax.distributed.is_initialized():
             return None  # JAX's preemption notifier owns SIGTERM after distributed init
-        except RuntimeError:
-            pass
 
         def handler(signum: int, frame: Any) -> None:
             self._preempted = True
@@ -272,7 +272,8 @@ class Trainer:
             while self.step < end:
                 batch = data(self.step) if batches is None else next(batches)
                 batch = self.global_batch(batch)
-                self.states, metrics = self.compiled_step(batch)(self.states, batch)
+                states, metrics = self.compiled_step(batch)(self.hooks.states(), batch)
+                self.hooks.update(states)
                 self.step += 1
                 if self.step % max(1, self.config.log_every) == 0 or self.step == end:
                     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -332,11 +333,11 @@ class Trainer:
     def save(self, *, metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
         """Saves model, optimizer, EMA and step (async unless ``async_checkpoint`` is False)."""
         if self.checkpointer is None:
-            raise ValueError("no workdir in the config: set config.workdir to save checkpoints.")
+            raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
         self.init()
         return self.checkpointer.save(
             self.step,
-            self.objects(),
+            self.states,
             metrics=metrics,
             mesh=self.mesh,
             strategy=list(self.config.sharding_strategy),
@@ -346,11 +347,9 @@ class Trainer:
     def restore_and_reshard(self, step: int | None = None, *, free_live: bool = False) -> RestoreReport:
         """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time."""
         if self.checkpointer is None:
-            raise ValueError("no workdir in the config: set config.workdir to restore checkpoints.")
+            raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
         self.init()
-        self.hooks.objects = self.objects()
         report = self.hooks.restore_and_reshard(self.checkpointer, step=step, free_live=free_live)
-        self.states = {k: nnx.state(v) for k, v in self.hooks.objects.items()}
         self.step = report.step
         return report
 

@@ -1,9 +1,10 @@
-"""Checkpoints over Orbax's CheckpointManager: save with metadata, restore straight into target shardings."""
+"""Checkpoints over Orbax's CheckpointManager: save with metadata, read straight into target shardings."""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,34 +12,26 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard.errors import ShardingError
-from nnx_shard.mesh import describe_mesh
-from nnx_shard.paths import as_state, path_to_str
+from nnx_shard._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    NoCheckpointError,
+)
+from nnx_shard._mesh import describe_mesh
+from nnx_shard._paths import as_state, flatten_with_paths, is_variable
+from nnx_shard._version import __version__
+
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
-class CheckpointError(ShardingError):
-    """Base class of checkpoint errors; the live state is left as it was."""
-
-
-class NoCheckpointError(CheckpointError):
-    """No checkpoint, or not the asked-for step, in the directory."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint of another structure than the state restored into."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint that cannot be read (corrupted or incomplete)."""
-
-
-def _version() -> str:
-    from nnx_shard import __version__
-
-    return __version__
+@atexit.register
+def _close_open_checkpointers() -> None:
+    """Lets background saves finish before the interpreter exits (one hook for all Checkpointers)."""
+    for checkpointer in list(_OPEN):
+        checkpointer.close()
 
 
 def describe_strategy(strategy: Sequence[tuple[str, Any]] | None) -> list[list[str]] | None:
@@ -58,10 +51,6 @@ def mesh_metadata(mesh: Mesh | None) -> dict[str, Any]:
     return out
 
 
-def _is_var(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def abstract_target(state: Any, shardings: Any) -> Any:
     """Abstract arrays carrying the target shardings, for Orbax to restore straight into.
 
@@ -79,22 +68,20 @@ def abstract_target(state: Any, shardings: Any) -> Any:
     states, _ = as_state(state)
 
     def one(sharding: Any, leaf: Any) -> Any:
-        value = leaf.get_value() if _is_var(leaf) else leaf
+        value = leaf.get_value() if is_variable(leaf) else leaf
         if sharding is None or not hasattr(value, "shape"):
             return leaf
         sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-        return leaf.replace(sds) if _is_var(leaf) else sds
+        return leaf.replace(sds) if is_variable(leaf) else sds
 
     return jax.tree.map(one, shardings, states, is_leaf=lambda x: x is None)
 
 
-def _paths(tree: Any) -> dict[str, Any]:
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]
+def leaf_paths(tree: Any) -> dict[str, Any]:
+    """``path -> value`` for every leaf, in the layout Orbax saves (a Variable's ``/value`` dropped)."""
     out = {}
-    for keypath, leaf in flat:
-        path = path_to_str(keypath)
-        value = leaf.get_value() if _is_var(leaf) else leaf
-        out[path.removesuffix("/value")] = value
+    for path, leaf in flatten_with_paths(tree)[0]:
+        out[path.removesuffix("/value")] = leaf.get_value() if is_variable(leaf) else leaf
     return out
 
 
@@ -128,18 +115,45 @@ def _where(devices: int, mesh: str, processes: int, show_processes: bool) -> str
     return text
 
 
+def _registry() -> Any:
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state, meta = ocp.PyTreeCheckpointHandler(), ocp.JsonCheckpointHandler()
+    registry.add("state", ocp.args.PyTreeSave, state)
+    registry.add("state", ocp.args.PyTreeRestore, state)
+    registry.add("meta", ocp.args.JsonSave, meta)
+    registry.add("meta", ocp.args.JsonRestore, meta)
+    return registry
+
+
+def _policy(max_to_keep: int | None, best_metric: str | None, best_mode: str) -> Any:
+    policies = ocp.checkpoint_managers
+    if best_metric is None:
+        return policies.LatestN(n=max_to_keep) if max_to_keep is not None else policies.PreserveAll()
+    best = policies.BestN(
+        get_metric_fn=lambda m: float(m[best_metric]),
+        reverse=best_mode == "min",
+        n=max_to_keep,
+        keep_checkpoints_without_metrics=False,
+    )
+    # The latest checkpoint is kept too, whatever its metric, so a run can always resume.
+    return policies.AnyPreservationPolicy([best, policies.LatestN(n=1)])
+
+
 class Checkpointer:
     """Saves and restores a model + optimizer + EMA with Orbax, resharding on restore.
 
     Async by default; keeps the last ``max_to_keep`` steps, or the best
-    ``max_to_keep`` by ``best_metric``. Each checkpoint records the mesh axis
-    names and shape, device and process counts, the strategy and the package
-    version. Orbax writes to a temporary directory and renames it when
-    complete, so an interrupted save never replaces the last good checkpoint.
+    ``max_to_keep`` by ``best_metric`` plus the latest one. Each checkpoint
+    records the mesh axis names and shape, device and process counts, the
+    strategy and the package version. Orbax writes to a temporary directory
+    and renames it when complete, so an interrupted save never replaces the
+    last good checkpoint. Opening a directory writes nothing; the first save
+    creates it. Close it (or use it as a context manager) to wait for the last
+    background save; any still open at exit are closed then.
 
     Args:
-      directory: where checkpoints go (created if needed): a local path or a URI
-        Orbax understands, such as ``gs://bucket/run``.
+      directory: where checkpoints go: a local path or a URI Orbax
+        understands, such as ``gs://bucket/run``.
       max_to_keep: how many to keep (None: all).
       best_metric: keep the best ``max_to_keep`` by this key of ``metrics``.
       best_mode: ``"min"`` or ``"max"`` for ``best_metric``.
@@ -148,11 +162,10 @@ class Checkpointer:
     >>> import tempfile
     >>> from nnx_shard import create_mesh
     >>> mesh = create_mesh((8,), ("fsdp",))
-    >>> ckpt = Checkpointer(tempfile.mkdtemp(), async_save=False)
-    >>> model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
-    >>> ckpt.save(1, {"model": model}, mesh=mesh)
+    >>> with Checkpointer(tempfile.mkdtemp(), async_save=False) as ckpt:
+    ...     ckpt.save(1, {"model": nnx.Linear(4, 8, rngs=nnx.Rngs(0))}, mesh=mesh)
+    ...     ckpt.latest_step(), ckpt.metadata(1)["devices"]
     True
-    >>> ckpt.latest_step(), ckpt.metadata(1)["devices"]
     (1, 8)
     """
 
@@ -171,23 +184,41 @@ class Checkpointer:
         self.directory = (
             epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
         )
+        self.best_metric = best_metric
+        self.best_mode = best_mode
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            preservation_policy=_policy(max_to_keep, best_metric, best_mode),
+            # best_fn makes Orbax record each step's metrics (it ranks nothing here: the policy does).
             best_fn=(lambda m: float(m[best_metric])) if best_metric else None,
             best_mode=best_mode,
-            keep_checkpoints_without_metrics=best_metric is None,
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
+            create=False,
         )
-        # Named handlers, so a fresh process can read metadata before restoring.
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
-        )
-        # Orbax cleans up interrupted saves and writes in background threads; let them
-        # finish before the interpreter shuts down (else a short script logs an error).
-        atexit.register(self._manager.wait_until_finished)
+        self._options = options
+        self._manager: Any = None
+        self._closed = False
+        _OPEN.add(self)
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """Orbax's CheckpointManager, opened on first use (a missing directory is never created by reading)."""
+        if self._manager is None:
+            if self._closed:
+                raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=self._options, handler_registry=_registry()
+            )
+        return self._manager
+
+    def _exists(self) -> bool:
+        return self.directory.exists()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def save(
         self,
@@ -207,41 +238,64 @@ class Checkpointer:
         states, _ = as_state(dict(objects))
         meta = {
             "step": int(step),
-            "nnx_shard_version": _version(),
+            "nnx_shard_version": __version__,
             "strategy": describe_strategy(strategy),
             **mesh_metadata(mesh),
             **(dict(extra) if extra else {}),
         }
-        return self._manager.save(
+        if not self._exists():
+            self.directory.mkdir(parents=True, exist_ok=True)
+        return self.manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(states), meta=ocp.args.JsonSave(meta)),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(states), meta=ocp.args.JsonSave(meta)),
             metrics=dict(metrics) if metrics is not None else None,
             force=force,
         )
 
     def wait_until_finished(self) -> None:
         """Blocks until a background save is on disk."""
-        self._manager.wait_until_finished()
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def best_step(self) -> int | None:
-        return self._manager.best_step()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """The steps on disk, oldest first (empty when the directory does not exist)."""
+        if not self._exists():
+            return []
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The step with the best ``best_metric`` among those kept (None without a metric)."""
+        if self.best_metric is None:
+            return None
+        scored = []
+        for step in self.all_steps():
+            value = (self.manager.metadata(step).metrics or {}).get(self.best_metric)
+            if value is not None:
+                scored.append((float(value) if self.best_mode == "min" else -float(value), step))
+        return min(scored)[1] if scored else None
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
         self._check_step(step)
-        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        try:
+            return dict(
+                self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            )
+        except Exception as e:
+            raise self._corrupt(step, e) from None
 
     def _check_step(self, step: int | None) -> int:
-        self._manager.reload()
         steps = self.all_steps()
         if not steps:
-            raise NoCheckpointError(f"no checkpoint in {self.directory}; save one first, or check the path.")
+            where = "" if self._exists() else " (the directory does not exist)"
+            raise NoCheckpointError(
+                f"no checkpoint in {self.directory}{where}; save one first, or check the path."
+            )
         if step is None:
             return max(steps)
         if step not in steps:
@@ -253,11 +307,11 @@ class Checkpointer:
     def check_structure(self, step: int, target: Any) -> None:
         """Raises CheckpointMismatchError naming the paths and shapes that differ."""
         try:
-            saved_tree = self._manager.item_metadata(step)["state"]
+            saved_tree = self.manager.metadata(step).item_metadata["state"]
         except Exception as e:
             raise self._corrupt(step, e) from None
-        saved = _paths(saved_tree)
-        wanted = {p: v for p, v in _paths(target).items() if hasattr(v, "shape")}
+        saved = leaf_paths(saved_tree)
+        wanted = {p: v for p, v in leaf_paths(target).items() if hasattr(v, "shape")}
         missing = sorted(set(wanted) - set(saved))
         extra = sorted(set(saved) - set(wanted))
         shapes = [
@@ -298,9 +352,14 @@ class Checkpointer:
           CheckpointCorruptError: the data cannot be read; nothing live is touched.
         """
         try:
-            out = self._manager.restore(
+            out = self.manager.restore(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()),
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                    ),
+                    meta=ocp.args.JsonRestore(),
+                ),
             )
         except Exception as e:
             raise self._corrupt(step, e) from None
@@ -332,5 +391,10 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for a background save and releases Orbax's resources (idempotent)."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+        self._closed = True
+        _OPEN.discard(self)

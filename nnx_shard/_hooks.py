@@ -1,4 +1,4 @@
-"""ShardingHooks: an NNX model + optimizer + EMA placed on init and on every restore, by themselves."""
+"""ShardingHooks: the one owner of (strategy, mesh, plan, live objects); places them on init, restore and resize."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard.checkpoint import Checkpointer, CheckpointError, RestoreReport, abstract_target
-from nnx_shard.inference import plan_sharding
-from nnx_shard.mesh import describe_mesh
-from nnx_shard.multihost import barrier_sync
-from nnx_shard.paths import as_state, is_graph_object
-from nnx_shard.placement import create_sharded
-from nnx_shard.plan import ShardingPlan
-from nnx_shard.reshard import reshard
+from nnx_shard._checkpoint import Checkpointer, RestoreReport, abstract_target
+from nnx_shard._errors import CheckpointError, LifecycleError
+from nnx_shard._inference import plan_sharding
+from nnx_shard._mesh import describe_mesh
+from nnx_shard._multihost import barrier_sync
+from nnx_shard._paths import as_state, is_graph_object
+from nnx_shard._placement import create_sharded
+from nnx_shard._plan import ShardingPlan
+from nnx_shard._reshard import reshard
 
 logger = logging.getLogger("nnx_shard")
 
@@ -25,11 +26,16 @@ logger = logging.getLogger("nnx_shard")
 class ShardingHooks:
     """Keeps a model, its ``nnx.Optimizer`` and its EMA on the shardings one strategy infers.
 
-    ``on_init`` creates them already sharded (or moves given ones into
+    The hooks own the strategy, the mesh, the plan and the live objects;
+    everything that changes where the objects live goes through them.
+    ``on_init`` creates the objects already sharded (or moves given ones into
     place); ``on_restore`` brings state that Orbax (or anything else) loaded,
     on any mesh, on the host or as numpy, onto the current mesh, donatable,
-    and updates the live objects. Both end with a named :func:`barrier_sync`.
-    The EMA and every optimizer slot follow their parameter's sharding.
+    and updates the live objects; :meth:`restore_and_reshard` reads a
+    checkpoint straight into the current shardings. Each ends with a named
+    :func:`barrier_sync`. The EMA and every optimizer slot follow their
+    parameter's sharding. A functional loop takes :meth:`states` and gives
+    the new ones back with :meth:`update`.
 
     Args:
       strategy: ``[(regex, tactic), ...]`` written against the model's parameter paths.
@@ -57,19 +63,85 @@ class ShardingHooks:
         strict: bool = True,
         barrier_timeout: float = 200.0,
     ):
-        self.strategy = strategy
-        self.mesh = mesh
-        self.strict = strict
+        self._strategy = list(strategy)
+        self._mesh = mesh
+        self._strict = strict
         self.barrier_timeout = barrier_timeout
-        self.objects: dict[str, Any] | None = None
-        self.plan: ShardingPlan | None = None
+        self._objects: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._plan: ShardingPlan | None = None
+
+    # -- what the hooks own --------------------------------------------------------
+
+    @property
+    def strategy(self) -> list[tuple[str, Any]]:
+        return self._strategy
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def initialized(self) -> bool:
+        return self._objects is not None
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The sharding plan of the live objects."""
+        self._require("a plan")
+        return self._plan
 
     @property
     def shardings(self) -> Any:
         """The inferred shardings of the live objects (a dict of States)."""
-        if self.plan is None:
-            raise CheckpointError("no objects yet: call on_init first.")
         return self.plan.shardings
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The live objects, up to date with the last :meth:`update`."""
+        self._require("live objects")
+        if self._pending is not None:
+            self._write(self._pending)
+            self._pending = None
+        return dict(self._objects)
+
+    def _require(self, what: str) -> None:
+        if self._objects is None:
+            raise LifecycleError(
+                f"the hooks have no {what} yet: call on_init(create) or adopt(objects) first."
+            )
+
+    def states(self) -> dict[str, Any]:
+        """The live state of each object (``nnx.State``), as a jitted step takes it."""
+        self._require("live objects")
+        if self._pending is not None:
+            return dict(self._pending)
+        return as_state(self._objects)[0]
+
+    def update(self, states: Mapping[str, Any]) -> None:
+        """Takes new states (a jitted step's output) for the live objects.
+
+        They reach the objects when :attr:`objects` is next read, so a loop
+        that passes states from step to step pays nothing per step.
+        """
+        self._require("live objects")
+        unknown = sorted(set(states) - set(self._objects))
+        if unknown:
+            raise CheckpointError(
+                f"states for {unknown}, which are not among the objects {sorted(self._objects)}."
+            )
+        pending = self.states()
+        pending.update(states)
+        self._pending = pending
+
+    def _write(self, states: Mapping[str, Any]) -> None:
+        for key, state in states.items():
+            if is_graph_object(self._objects[key]):
+                nnx.update(self._objects[key], state)
+            else:
+                self._objects[key] = state
+
+    # -- init ------------------------------------------------------------------------
 
     def on_init(
         self,
@@ -88,28 +160,29 @@ class ShardingHooks:
           The live objects.
         """
         if (create is None) == (objects is None):
-            raise CheckpointError(
+            raise LifecycleError(
                 "on_init takes exactly one of create= (a factory) or objects= (live objects)."
             )
         if create is not None:
-            made, self.plan = create_sharded(create, self.strategy, self.mesh, strict=self.strict)
-            self.objects = dict(made)
+            made, plan = create_sharded(create, self._strategy, self._mesh, strict=self._strict)
+            self._objects, self._plan, self._pending = dict(made), plan, None
         else:
-            self.objects = dict(objects)
-            self.plan = plan_sharding(self.objects, self.strategy, self.mesh, strict=self.strict)
-            self._update(reshard(self._states(), self.plan.shardings, donate=True))
+            self.adopt(objects)
+            self._write(reshard(self.states(), self._plan.shardings, donate=True))
         barrier_sync("nnx_shard/on_init", timeout=self.barrier_timeout)
         return self.objects
 
-    def _states(self) -> dict[str, Any]:
-        return as_state(self.objects)[0]
+    def adopt(self, objects: Mapping[str, Any]) -> dict[str, Any]:
+        """Takes ``objects`` (live or abstract) as they are and plans their shardings; moves nothing.
 
-    def _update(self, states: Mapping[str, Any]) -> None:
-        for key, state in states.items():
-            if is_graph_object(self.objects[key]):
-                nnx.update(self.objects[key], state)
-            else:
-                self.objects[key] = state
+        Use it to restore into objects built elsewhere (the restore then puts
+        every array in place).
+        """
+        self._objects, self._pending = dict(objects), None
+        self._plan = plan_sharding(self._objects, self._strategy, self._mesh, strict=self._strict)
+        return self.objects
+
+    # -- restore -------------------------------------------------------------------------
 
     def on_restore(self, restored: Mapping[str, Any]) -> None:
         """Puts loaded state onto the current shardings and into the live objects.
@@ -120,14 +193,13 @@ class ShardingHooks:
         placed shard by shard. The results own their buffers, so the next
         jitted step can donate them.
         """
-        if self.objects is None:
-            raise CheckpointError("no live objects to restore into: call on_init first.")
-        unknown = sorted(set(restored) - set(self.objects))
+        self._require("live objects to restore into")
+        unknown = sorted(set(restored) - set(self._objects))
         if unknown:
             raise CheckpointError(
-                f"restored keys {unknown} are not among the objects {sorted(self.objects)}."
+                f"restored keys {unknown} are not among the objects {sorted(self._objects)}."
             )
-        live = self._states()
+        live = self.states()
         incoming = {}
         for key, value in restored.items():
             if isinstance(value, nnx.State) or is_graph_object(value):
@@ -137,7 +209,7 @@ class ShardingHooks:
                 nnx.replace_by_pure_dict(template, _unwrap_values(value))
                 incoming[key] = template
         shardings = {k: self.shardings[k] for k in incoming}
-        self._update(reshard(incoming, shardings, donate=False))
+        self.update(reshard(incoming, shardings, donate=False))
         barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
 
     def restore_and_reshard(
@@ -150,32 +222,32 @@ class ShardingHooks:
         restore that fails leaves the live objects as they were, unless
         ``free_live`` asked to free them first (to keep the peak low).
         """
-        if self.objects is None:
-            raise CheckpointError("no live objects to restore into: call on_init first.")
-        target = abstract_target(self._states(), self.shardings)
+        self._require("live objects to restore into")
+        states = self.states()
+        target = abstract_target(states, self.shardings)
         step = checkpointer.validate(step, target)  # before anything live is freed
         if free_live:
             checkpointer.metadata(step)  # readable, before anything live is freed
-            for x in jax.tree.leaves(self._states()):
+            for x in jax.tree.leaves(states):
                 if isinstance(x, jax.Array):
                     x.delete()
         try:
-            states, saved = checkpointer.read(step, target)
+            restored, saved = checkpointer.read(step, target)
         except CheckpointError:
             if free_live:
                 logger.error(
                     "restore of step %s failed after the live state was freed (free_live=True)", step
                 )
             raise
-        _check_placed(states, self.shardings)
-        self._update(states)  # Orbax's arrays own their buffers: donatable (tested)
+        _check_placed(restored, self.shardings)
+        self.update(restored)  # Orbax's arrays own their buffers: donatable (tested)
         barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)
         report = RestoreReport(
             step=step,
             saved=saved,
-            devices=int(self.mesh.devices.size),
+            devices=int(self._mesh.devices.size),
             processes=jax.process_count(),
-            mesh=describe_mesh(self.mesh),
+            mesh=describe_mesh(self._mesh),
         )
         logger.info("%s", report)
         return report
@@ -184,10 +256,9 @@ class ShardingHooks:
         self, checkpointer: Checkpointer, step: int, *, metrics: Mapping[str, float] | None = None
     ) -> bool:
         """Saves the live objects with this mesh and strategy in the metadata."""
-        if self.objects is None:
-            raise CheckpointError("no live objects to save: call on_init first.")
+        self._require("live objects to save")
         return checkpointer.save(
-            step, self._states(), metrics=metrics, mesh=self.mesh, strategy=self.strategy
+            step, self.states(), metrics=metrics, mesh=self._mesh, strategy=self._strategy
         )
 
 
@@ -225,6 +296,9 @@ def restore_and_reshard(
 ) -> RestoreReport | None:
     """Restores a checkpoint (or a state already loaded with Orbax) onto the current mesh.
 
+    The same restore as :meth:`ShardingHooks.restore_and_reshard` (which this
+    calls), for objects that no hooks own yet.
+
     Args:
       checkpointer: a :class:`Checkpointer` or its directory.
       objects: the live ``{"model": ..., "optimizer": ..., "ema": ...}``, updated in place.
@@ -250,11 +324,13 @@ def restore_and_reshard(
     restored step 7, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)
     """
     hooks = ShardingHooks(strategy, mesh)
-    hooks.objects = dict(objects)
-    hooks.plan = plan_sharding(hooks.objects, strategy, mesh)
+    hooks.adopt(objects)
     if state is not None:
         hooks.on_restore(state)
+        _ = hooks.objects  # write into the caller's objects now
         return None
     if not isinstance(checkpointer, Checkpointer):
         checkpointer = Checkpointer(checkpointer)
-    return hooks.restore_and_reshard(checkpointer, step=step, free_live=free_live)
+    report = hooks.restore_and_reshard(checkpointer, step=step, free_live=free_live)
+    _ = hooks.objects
+    return report

@@ -11,22 +11,22 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard.errors import InvalidStrategyError, TacticError, UnmatchedLeavesError
-from nnx_shard.paths import Leaf, flatten_leaves
-from nnx_shard.plan import LeafPlacement, ShardingPlan
-from nnx_shard.tactics import Spec, Tactic, as_tactic, entry_size, normalize_spec
+from nnx_shard._errors import (
+    InvalidRegexError,
+    InvalidStrategyError,
+    TacticError,
+    UnmatchedLeavesError,
+    UnusedRuleWarning,
+)
+from nnx_shard._paths import Leaf, flatten_leaves
+from nnx_shard._plan import LeafPlacement, ShardingPlan
+from nnx_shard._specs import Spec, bytes_per_device, normalize_spec
+from nnx_shard._tactic_parser import as_tactic
+from nnx_shard._tactics import Tactic
 
 logger = logging.getLogger("nnx_shard")
 
 Strategy = Sequence[tuple[str, Any]]
-
-
-class UnusedRuleWarning(UserWarning):
-    """A strategy rule that matched no leaf: usually a typo in its regex."""
-
-
-class InvalidRegexError(InvalidStrategyError):
-    """A strategy rule whose regex does not compile."""
 
 
 class _Rule:
@@ -84,14 +84,6 @@ def _match(rules: list[_Rule], leaf: Leaf) -> tuple[_Rule | None, str | None]:
             if search(name):
                 return rule, name
     return None, None
-
-
-def _shard_bytes(mesh: Mesh, shape: tuple[int, ...], spec: Spec, itemsize: int) -> int:
-    n = itemsize
-    for d, e in zip(shape, spec, strict=True):
-        k = entry_size(mesh, e)
-        n *= -(-d // k)
-    return n
 
 
 def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = True) -> ShardingPlan:
@@ -153,7 +145,7 @@ def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = 
                 rule_index=None if rule is None else rule.index,
                 matched=matched if matched != leaf.path else None,
                 total_bytes=leaf.nbytes,
-                bytes_per_device=_shard_bytes(mesh, leaf.shape, spec, leaf.itemsize),
+                bytes_per_device=bytes_per_device(sharding, leaf.shape, leaf.dtype),
                 notes=tuple(leaf.notes),
             )
         )

@@ -1,11 +1,10 @@
-"""Building device meshes from dims, strings and configs, CPU meshes included."""
+"""Meshes from dims and strings, hybrid ICI/DCN over slices, with their axis types said explicitly."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from nnx_shard.errors import MeshError
+from nnx_shard._errors import MeshError
 
 DEFAULT_AXIS_NAMES: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
 DEFAULT_AXIS_DIMS: tuple[int, ...] = (1, -1, 1, 1, 1)
@@ -140,20 +139,25 @@ def create_mesh(
       should_sort_granules_by_key: sort slices by index (as mesh_utils does).
       allow_split_physical_axes: let mesh_utils split physical TPU axes.
       backend: the platform whose devices to use when ``devices`` is None.
-      use_jax: build single-slice meshes with ``jax.make_mesh``.
-      axis_types: ``"auto"``, ``"explicit"``, ``"manual"``, an
+      use_jax: build single-slice meshes with ``jax.make_mesh`` (the axis
+        types are still the ones ``axis_types`` names, not make_mesh's default).
+      axis_types: ``"auto"`` (the default), ``"explicit"``, ``"manual"``, an
         ``AxisType``, or one per axis.
 
     Returns:
-      A ``jax.sharding.Mesh``.
+      A ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto`` unless
+      ``axis_types`` says otherwise. nnx_shard works on meshes of any axis
+      types and under ``jax.set_mesh``.
 
     Raises:
       MeshError: bad names, sizes that do not cover the devices, or slices
         that do not fit the dims.
 
     >>> mesh = create_mesh((2, -1), ("dp", "fsdp"))
-    >>> dict(mesh.shape)
-    {'dp': 2, 'fsdp': 4}
+    >>> dict(mesh.shape), mesh.axis_types
+    ({'dp': 2, 'fsdp': 4}, (Auto, Auto))
+    >>> create_mesh((8,), ("fsdp",), use_jax=True, axis_types="explicit").axis_types
+    (Explicit,)
     """
     names = _check_names(axis_names)
     if len(tuple(axis_dims)) != len(names):
@@ -191,9 +195,9 @@ def create_mesh(
     return Mesh(array, names, axis_types=types)
 
 
-def _axis_types(axis_types: Any, n: int) -> tuple[Any, ...] | None:
+def _axis_types(axis_types: Any, n: int) -> tuple[Any, ...]:
     if axis_types is None:
-        return None
+        axis_types = "auto"
     if isinstance(axis_types, (str, jax.sharding.AxisType)):
         axis_types = (axis_types,) * n
     out = []
@@ -255,92 +259,48 @@ def parse_mesh_dims(
     )
 
 
-def parse_mesh_from_string(axis_dims: str, names: Sequence[str] = DEFAULT_AXIS_NAMES, **kwargs: Any) -> Mesh:
-    """Builds a mesh from ``"dp:2,tp:4"`` (named) or ``"2,4"`` (positional).
-
-    Keyword arguments go to :func:`create_mesh`.
-
-    >>> mesh = parse_mesh_from_string("dp:2,tp:4", ["dp", "tp"])
-    >>> dict(mesh.shape)
-    {'dp': 2, 'tp': 4}
-    """
-    dims, names = parse_mesh_dims(axis_dims, names)
-    return create_mesh(dims, names, **kwargs)
-
-
-def mesh_from_string(text: str) -> Mesh:
+def mesh_from_string(text: str, *, devices: Sequence[Any] | None = None, axis_types: Any = None) -> Mesh:
     """``"fsdp:-1"`` or ``"dp:2,tp:4"``: named axes in the order given; ``"2,4"``: dp, fsdp, ...
+
+    Args:
+      text: the mesh, as named sizes or positional sizes.
+      devices: the devices to use (default all); e.g. ``jax.devices()[4:]``.
+      axis_types: as for :func:`create_mesh` (default: all ``Auto``).
+
+    Raises:
+      MeshError: a malformed string, or sizes that do not cover the devices.
 
     >>> dict(mesh_from_string("dp:2,fsdp:-1").shape)
     {'dp': 2, 'fsdp': 4}
+    >>> [d.id for d in mesh_from_string("fsdp:-1", devices=jax.devices()[4:]).devices.flat]
+    [4, 5, 6, 7]
     """
+    if not isinstance(text, str) or not text.strip():
+        raise MeshError(f"expected a mesh string like 'fsdp:-1' or 'dp:2,tp:4'; got {text!r}.")
     parts = [p for p in text.split(",") if p.strip()]
     names = (
         [p.split(":")[0].strip() for p in parts] if ":" in text else list(DEFAULT_AXIS_NAMES[: len(parts)])
     )
-    return parse_mesh_from_string(text, names)
+    dims, names = parse_mesh_dims(text, names)
+    return create_mesh(dims, names, devices=devices, axis_types=axis_types)
 
 
-def create_device_mesh(
-    config_mesh: Sequence[tuple[str, int]],
-    *,
-    allow_split_physical_axes: bool = False,
-    devices: Sequence[Any] | None = None,
-) -> Mesh:
-    """Builds a mesh from ``[(name, size), ...]``, as in big_vision; one size may be -1.
+def resolve_mesh(mesh: Mesh | None) -> Any:
+    """The given mesh, else the mesh set with ``jax.set_mesh``.
 
-    >>> mesh = create_device_mesh([("data", -1), ("model", 2)])
-    >>> dict(mesh.shape)
-    {'data': 4, 'model': 2}
+    Raises:
+      MeshError: no mesh given and none in context.
+
+    >>> with jax.set_mesh(create_mesh((8,), ("fsdp",))):
+    ...     dict(resolve_mesh(None).shape)
+    {'fsdp': 8}
     """
-    pairs = list(config_mesh)
-    if not pairs or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in pairs):
-        raise MeshError(f"expected a list of (axis_name, size) pairs; got {config_mesh!r}.")
-    names, dims = zip(*pairs, strict=True)
-    return create_mesh(dims, names, devices=devices, allow_split_physical_axes=allow_split_physical_axes)
-
-
-def create_cpu_mesh(
-    axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,
-    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-) -> Mesh:
-    """Creates a mesh over this process's CPU devices, whatever the default backend.
-
-    >>> create_cpu_mesh((1, -1, 1, 1, 1)).devices.size == len(jax.devices("cpu"))
-    True
-    """
-    return create_mesh(axis_dims, axis_names, devices=jax.devices("cpu"))
-
-
-@contextlib.contextmanager
-def force_cpu() -> Iterator[Any]:
-    """Runs the enclosed JAX operations on the first CPU device.
-
-    >>> with force_cpu() as cpu:
-    ...     x = jax.numpy.ones(3)
-    >>> x.devices() == {cpu}
-    True
-    """
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        yield cpu
-
-
-@contextlib.contextmanager
-def cpu_context(
-    axis_dims: Sequence[int] = DEFAULT_AXIS_DIMS,
-    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-) -> Iterator[Mesh]:
-    """Forces CPU execution and yields a CPU mesh, set as the current mesh.
-
-    >>> with cpu_context() as mesh:
-    ...     mesh.devices.flat[0].platform
-    'cpu'
-    """
-    with force_cpu():
-        mesh = create_cpu_mesh(axis_dims, axis_names)
-        with jax.set_mesh(mesh):
-            yield mesh
+    if mesh is not None:
+        return mesh
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract is not None and not abstract.empty:
+        return abstract
+    raise MeshError("no mesh given and none in context; pass mesh=... or use `with jax.set_mesh(mesh):`.")
 
 
 def calculate_host_mesh_shape(

@@ -10,14 +10,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, Sharding
 
-from nnx_shard.errors import ShardingError
-from nnx_shard.inference import plan_sharding
-from nnx_shard.paths import as_state, is_graph_object, path_to_str
-from nnx_shard.plan import ShardingPlan
-
-
-class PlacementError(ShardingError):
-    """A tree that does not fit its target: structure, shape or dtype."""
+from nnx_shard._errors import PlacementError
+from nnx_shard._inference import plan_sharding
+from nnx_shard._paths import as_state, flatten_with_paths, is_graph_object
+from nnx_shard._plan import ShardingPlan
 
 
 def _is_leaf(x: Any) -> bool:
@@ -36,8 +32,8 @@ def _target_sharding(ref: Any) -> tuple[Sharding | None, tuple[int, ...] | None,
 
 
 def _flatten(tree: Any) -> tuple[dict[str, Any], Any]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-    return {path_to_str(p): v for p, v in flat}, treedef
+    flat, treedef = flatten_with_paths(tree, is_leaf=_is_leaf)
+    return dict(flat), treedef
 
 
 def _put(value: Any, sharding: Sharding) -> jax.Array:

@@ -8,47 +8,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from nnx_shard.errors import MeshError
+from nnx_shard._errors import ShardingConflictError
+from nnx_shard._mesh import resolve_mesh
+from nnx_shard._paths import Leaf, is_variable
+from nnx_shard._specs import format_spec, itemsize, normalize_spec
+from nnx_shard._tactics import Tactic, validate_spec
 
 
 def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _nbytes(x: Any) -> int:
-    return (
-        math.prod(x.shape) * np.dtype(x.dtype).itemsize
-        if hasattr(x.dtype, "kind")
-        else (math.prod(x.shape) * x.dtype.itemsize)
-    )
-
-
 def map_arrays(fn: Any, pytree: Any) -> Any:
     """Maps ``fn`` over the array leaves of a pytree (Variables included); other leaves get P()."""
-    from flax import nnx
 
     def leaf_fn(x: Any) -> Any:
-        if isinstance(x, nnx.Variable):
+        if is_variable(x):
             x = x.get_value()
         return fn(x) if _is_array(x) else PartitionSpec()
 
-    return jax.tree.map(leaf_fn, pytree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def resolve_mesh(mesh: Mesh | None) -> Any:
-    """The given mesh, else the mesh set with ``jax.set_mesh`` / ``with mesh:``."""
-    if mesh is not None:
-        return mesh
-    abstract = jax.sharding.get_abstract_mesh()
-    if abstract is not None and not abstract.empty:
-        return abstract
-    concrete = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
-    if concrete is not None and not getattr(concrete, "empty", True):
-        return concrete
-    raise MeshError("no mesh given and none in context; pass mesh=... or use `with jax.set_mesh(mesh):`.")
+    return jax.tree.map(leaf_fn, pytree, is_leaf=is_variable)
 
 
 class ShardingRule(abc.ABC):
@@ -67,6 +48,10 @@ class ShardingRule(abc.ABC):
     @abc.abstractmethod
     def apply(self, pytree: Any) -> Any:
         """Returns a pytree of PartitionSpec with the structure of ``pytree``."""
+
+    def as_tactic(self) -> Tactic:
+        """This rule as the tactic of a strategy entry: ``[('.*', AutoShardingRule(mesh))]``."""
+        return RuleTactic(self)
 
 
 class AutoShardingRule(ShardingRule):
@@ -187,7 +172,7 @@ class MemoryConstrainedShardingRule(ShardingRule):
         return PartitionSpec(*[None if not s else s[0] if len(s) == 1 else tuple(s) for s in spec])
 
     def apply(self, pytree: Any) -> Any:
-        return map_arrays(lambda x: self.spec_for(x.shape, np.dtype(x.dtype).itemsize), pytree)
+        return map_arrays(lambda x: self.spec_for(x.shape, itemsize(x.dtype)), pytree)
 
 
 class CompositeShardingRule(ShardingRule):
@@ -214,3 +199,24 @@ class CompositeShardingRule(ShardingRule):
             return PartitionSpec()
 
         return jax.tree.map(first, *results, is_leaf=is_spec)
+
+
+class RuleTactic(Tactic):
+    """A :class:`ShardingRule` standing as the tactic of a strategy entry."""
+
+    def __init__(self, rule: ShardingRule):
+        self.rule = rule
+
+    def __call__(self, cur_spec: Any, mesh: Mesh, name: str, leaf: Leaf) -> Any:
+        out = normalize_spec(self.rule.apply(leaf.value), leaf.ndim, leaf.describe())
+        if any(e is not None for e in out) and any(e is not None for e in cur_spec):
+            raise ShardingConflictError(
+                f"cannot apply {self} to {leaf.describe()}: it is already "
+                f"{format_spec(cur_spec)}. Put the rule first in the chain."
+            )
+        if all(e is None for e in out):
+            return cur_spec
+        return validate_spec(out, mesh, leaf, str(self))
+
+    def __str__(self) -> str:
+        return type(self.rule).__name__

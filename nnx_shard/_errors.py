@@ -1,0 +1,173 @@
+"""Every exception and warning nnx_shard raises, under one root.
+
+``except nnx_shard.NnxShardError`` catches everything the package raises. Each
+class also derives from the builtin that fits its kind (``ValueError`` for bad
+input, ``TypeError`` for a wrong kind of object, ``RuntimeError`` for a call at
+the wrong time, ``TimeoutError`` for a wait that ran out), so code that
+catches those keeps working.
+
+>>> issubclass(MeshError, NnxShardError) and issubclass(MeshError, ValueError)
+True
+>>> issubclass(LifecycleError, RuntimeError), issubclass(BarrierTimeoutError, TimeoutError)
+(True, True)
+"""
+
+from __future__ import annotations
+
+
+class NnxShardError(Exception):
+    """The root of every error nnx_shard raises."""
+
+
+class NnxShardWarning(UserWarning):
+    """The root of every warning nnx_shard issues."""
+
+
+class UnusedRuleWarning(NnxShardWarning):
+    """A strategy rule that matched no leaf: usually a typo in its regex."""
+
+
+# -- bad input (ValueError) ----------------------------------------------------
+
+
+class ShardingError(NnxShardError, ValueError):
+    """Bad input to sharding: strategies, meshes, specs, placements.
+
+    Subclasses ``ValueError`` so that code catching ``ValueError`` (as for
+    orbax and flax errors) keeps working.
+    """
+
+
+class MeshError(ShardingError):
+    """A mesh description that cannot be built on the available devices."""
+
+
+class TacticError(ShardingError):
+    """Base class of the errors a tactic raises for one leaf.
+
+    ``detail`` holds the message without the rule that applied the tactic;
+    :func:`nnx_shard.infer_sharding` prefixes the rule index and text.
+    """
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+    def with_rule(self, index: int, pattern: str, tactic: str) -> TacticError:
+        """Returns the same error with the rule that raised it named first."""
+        err = type(self)(f"rule {index} ({pattern!r}, {tactic!r}) {self.detail}")
+        err.detail = self.detail
+        return err
+
+
+class UnknownTacticError(TacticError):
+    """A tactic name that is neither built in nor registered."""
+
+
+class TacticSyntaxError(TacticError):
+    """A tactic string that is not a chain of calls with literal arguments."""
+
+
+class TacticArgumentError(TacticError):
+    """A tactic called with missing, unknown or ill-typed arguments."""
+
+
+class MeshAxisError(TacticError):
+    """A tactic names a mesh axis the mesh does not have, or uses one twice."""
+
+
+class IndivisibleShardingError(TacticError):
+    """A dimension whose size is not divisible by the mesh axes sharding it."""
+
+
+class ShardingConflictError(TacticError):
+    """Two chained tactics that disagree about one leaf."""
+
+
+class InvalidStrategyError(ShardingError):
+    """A strategy that is not an ordered list of (regex, tactic) pairs."""
+
+
+class InvalidRegexError(InvalidStrategyError):
+    """A strategy rule whose regex does not compile."""
+
+
+class UnmatchedLeavesError(ShardingError):
+    """Leaves that no rule of a strict strategy matched."""
+
+
+class PlacementError(ShardingError):
+    """A tree that does not fit its target: structure, shape, dtype or divisibility."""
+
+
+class LocalSliceError(ShardingError):
+    """A host-local slice that does not fit the devices or the global array."""
+
+
+class ReshardError(ShardingError):
+    """A tree that cannot be resharded onto the given target shardings."""
+
+
+class NoIntermediateShardingError(ShardingError):
+    """No intermediate sharding helps for this pair of shardings."""
+
+
+class NoIntermediateShardingNeededError(NoIntermediateShardingError):
+    """Every target shard already lies inside one source shard: copy shards directly."""
+
+
+class CheckpointError(ShardingError):
+    """Base class of checkpoint errors; the live state and the checkpoints are left as they were."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No checkpoint, or not the asked-for step, in the directory."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another structure than the state restored into."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose files cannot be read, or whose content differs from what was saved."""
+
+
+class ConfigError(NnxShardError, ValueError):
+    """A Trainer or command-line setting that cannot be used."""
+
+
+class UnknownConfigKeyError(ConfigError):
+    """A config key that no Trainer (or subclass) default declares: usually a typo."""
+
+
+class BatchStructureError(NnxShardError, ValueError):
+    """A batch whose structure, shapes or dtypes differ from the ones the step was compiled for."""
+
+
+class CLIError(ConfigError):
+    """Bad command-line input; printed without a traceback."""
+
+
+# -- the wrong kind of object (TypeError) ------------------------------------------
+
+
+class StateTypeError(NnxShardError, TypeError):
+    """An object where a state was expected, e.g. a factory instead of its abstract state."""
+
+
+# -- a call at the wrong time (RuntimeError) -----------------------------------------
+
+
+class LifecycleError(NnxShardError, RuntimeError):
+    """A method called before what it needs exists, e.g. a restore before ``on_init``."""
+
+
+class DistributedNotInitializedError(NnxShardError, RuntimeError):
+    """Several processes but no distributed client: ``jax.distributed.initialize`` was not called."""
+
+
+# -- waits that ran out (TimeoutError) -------------------------------------------------
+
+
+class BarrierTimeoutError(NnxShardError, TimeoutError):
+    """Not every process reached a barrier in time; the message names who is missing."""

@@ -1,0 +1,193 @@
+"""The shape of the package: imports point down the layers, no cycles, no private reach-ins, small modules."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import nnx_shard
+
+PACKAGE = Path(nnx_shard.__file__).parent
+
+# Lower layers never import higher ones (equal ranks may import each other, acyclically).
+LAYERS = {
+    "_version": 0,
+    "_errors": 0,
+    "_jax_private": 1,
+    "_specs": 1,
+    "_mesh": 2,
+    "_paths": 2,
+    "_tactics": 3,
+    "_tactic_parser": 4,
+    "_plan": 4,
+    "_inference": 5,
+    "_placement": 6,
+    "_multihost": 6,
+    "_fingerprint": 6,
+    "_reshard": 7,
+    "_checkpoint": 7,
+    "_hooks": 8,
+    "_trainer": 9,
+    "cli": 10,
+    "__main__": 10,
+    "compat": 11,
+    "__init__": 12,  # the root re-exports everything, the seeds' API included
+}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name (relative to the package) -> file, for every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" and len(rel.parts) > 1 else rel.parts
+        out[".".join(parts)] = path
+    return out
+
+
+def layer(name: str) -> int:
+    return LAYERS[name.split(".")[0]]
+
+
+def imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """``(module, imported name or None, line)`` for every nnx_shard import, function-level ones too."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nnx_shard"):
+            out += [
+                (node.module.removeprefix("nnx_shard").lstrip("."), a.name, node.lineno) for a in node.names
+            ]
+        elif isinstance(node, ast.Import):
+            out += [
+                (a.name.removeprefix("nnx_shard").lstrip("."), None, node.lineno)
+                for a in node.names
+                if a.name.startswith("nnx_shard")
+            ]
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for target, imported, _ in imports(path):
+            full = f"{target}.{imported}" if target and f"{target}.{imported}" in mods else target or imported
+            if full in mods and full != name:
+                edges[name].add(full)
+    return edges
+
+
+def test_every_import_points_down_the_layers():
+    wrong = [
+        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+        for a, targets in graph().items()
+        for b in targets
+        if a and b and layer(b) > layer(a)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_import_graph_has_no_cycle():
+    edges, state, cycle = graph(), {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in edges[node]:
+            if state.get(nxt) == "open":
+                cycle.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for node in edges:
+        if node not in state:
+            visit(node, [node])
+    assert not cycle, cycle
+
+
+def test_the_core_never_imports_the_compatibility_layer():
+    core = [a for a in graph() if a != "__init__" and not a.startswith("compat")]
+    offenders = [f"{a} imports {b}" for a in core for b in graph()[a] if b.startswith("compat")]
+    assert not offenders, offenders
+
+
+def test_no_module_imports_another_modules_private_name():
+    mods = modules()
+    bad = []
+    for path in mods.values():
+        for target, imported, line in imports(path):
+            if (
+                imported
+                and imported.startswith("_")
+                and not imported.startswith("__")
+                and f"{target}.{imported}".lstrip(".") not in mods
+            ):
+                bad.append(f"{path.name}:{line} imports {imported} from {target}")
+        for node in ast.walk(ast.parse(path.read_text())):  # module._name reach-ins
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in {"ns", "nnx_shard", "_collective", "_planner", "_blocks"}
+            ):
+                bad.append(f"{path.name}:{node.lineno} reaches into {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_private_jax_is_touched_in_one_place():
+    users = [
+        name for name, path in modules().items() if "jax._src" in path.read_text() and name != "_jax_private"
+    ]
+    assert not users, users
+
+
+def test_every_exception_class_lives_in_the_errors_module():
+    stray = []
+    for info in pkgutil.walk_packages(nnx_shard.__path__, "nnx_shard."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException | Warning)
+                and obj.__module__ == info.name
+            ):
+                if info.name != "nnx_shard._errors":
+                    stray.append(f"{info.name}.{obj.__name__}")
+    assert not stray, stray
+
+
+def test_every_error_is_an_nnx_shard_error_of_a_builtin_kind():
+    from nnx_shard import _errors
+
+    for obj in vars(_errors).values():
+        if (
+            inspect.isclass(obj)
+            and issubclass(obj, Exception)
+            and not issubclass(obj, Warning)
+            and obj.__module__ == _errors.__name__
+        ):
+            assert issubclass(obj, nnx_shard.NnxShardError), obj
+            assert obj is nnx_shard.NnxShardError or issubclass(
+                obj, ValueError | TypeError | RuntimeError | TimeoutError
+            ), obj
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_modules_stay_small(name):
+    lines = len(modules()[name].read_text().splitlines())
+    assert lines <= 450, f"{name} has {lines} lines; split it by concept"
+
+
+def test_public_names_are_exported_and_documented():
+    for name in nnx_shard.__all__:
+        obj = getattr(nnx_shard, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert obj.__doc__, f"{name} has no docstring"

@@ -1,0 +1,91 @@
+"""ShardingHooks: the one owner of the live state, through init, functional updates and restores."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+
+STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+
+def create():
+    model = nnx.Linear(8, 32, rngs=nnx.Rngs(0))
+    return {
+        "model": model,
+        "optimizer": nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+        "ema": nnx.EMA(model, decay=0.5),
+    }
+
+
+def mesh(n=8):
+    return ns.create_mesh((n,), ("fsdp",), devices=jax.devices()[:n])
+
+
+def test_lifecycle_mistakes_have_their_own_error():
+    hooks = ns.ShardingHooks(STRATEGY, mesh())
+    for call in (lambda: hooks.plan, hooks.states, lambda: hooks.on_restore({}), lambda: hooks.update({})):
+        with pytest.raises(ns.LifecycleError, match=r"call on_init\(create\) or adopt\(objects\) first"):
+            call()
+    with pytest.raises(ns.LifecycleError, match=r"exactly one of create= .* or objects="):
+        hooks.on_init()
+    assert issubclass(ns.LifecycleError, RuntimeError) and not issubclass(
+        ns.LifecycleError, ns.CheckpointError
+    )
+
+
+def test_on_init_moves_existing_objects_into_place():
+    objects = create()
+    kernel = np.asarray(objects["model"].kernel.get_value())
+    hooks = ns.ShardingHooks(STRATEGY, mesh())
+    live = hooks.on_init(objects=objects)
+    assert live["model"] is objects["model"]  # the objects the user holds are the live ones
+    placed = objects["model"].kernel.get_value()
+    assert placed.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    np.testing.assert_array_equal(np.asarray(placed), kernel)
+    assert hooks.plan.leaf("model/kernel").bytes_per_device == 8 * 32 * 4 // 8
+
+
+def test_a_functional_step_updates_the_objects_through_the_hooks():
+    hooks = ns.ShardingHooks(STRATEGY, mesh())
+    objects = hooks.on_init(create)
+    graphdef = nnx.graphdef(objects["model"])
+
+    @jax.jit
+    def double(state):
+        model = nnx.merge(graphdef, state)
+        model.kernel.set_value(model.kernel.get_value() * 2)
+        return nnx.state(model)
+
+    before = np.asarray(objects["model"].kernel.get_value())
+    hooks.update({"model": double(hooks.states()["model"])})
+    pending = hooks.states()["model"]["kernel"].get_value()
+    np.testing.assert_array_equal(np.asarray(pending), 2 * before)  # the loop sees the new state at once
+    model = hooks.objects["model"]  # and the objects when asked for
+    np.testing.assert_array_equal(np.asarray(model.kernel.get_value()), 2 * before)
+    with pytest.raises(
+        ns.CheckpointError, match=r"states for \['teacher'\], which are not among the objects"
+    ):
+        hooks.update({"teacher": hooks.states()["model"]})
+
+
+def test_on_restore_places_host_data_and_states_from_another_mesh():
+    source = ns.ShardingHooks(STRATEGY, mesh(8))
+    source.on_init(create)
+    saved = source.states()
+    host = {k: jax.tree.map(np.asarray, nnx.to_pure_dict(v)) for k, v in saved.items()}
+    for restored in (host, saved):
+        hooks = ns.ShardingHooks(STRATEGY, mesh(4))
+        fresh = create()
+        fresh["model"].kernel.set_value(fresh["model"].kernel.get_value() + 1)
+        hooks.on_init(objects=fresh)
+        hooks.on_restore(restored)
+        kernel = hooks.objects["model"].kernel.get_value()
+        assert dict(kernel.sharding.mesh.shape) == {"fsdp": 4}
+        np.testing.assert_array_equal(np.asarray(kernel), host["model"]["kernel"])
+    with pytest.raises(ns.CheckpointError, match=r"restored keys \['extra'\] are not among the objects"):
+        hooks.on_restore({"extra": host["model"]})
