@@ -46,6 +46,7 @@ from nnx_shard._errors import (
 )
 from nnx_shard._hooks import ShardingHooks, restore_and_reshard
 from nnx_shard._inference import infer_sharding, plan_sharding
+from nnx_shard._logical import annotated, logical_to_mesh
 from nnx_shard._mesh import (
     calculate_host_mesh_shape,
     create_mesh,
@@ -67,7 +68,7 @@ from nnx_shard._reshard import (
     reshard_with_intermediate_sharding,
 )
 from nnx_shard._tactic_parser import parse_tactic, register_tactic
-from nnx_shard._tactics import Tactic, annotated, fsdp, replicate, shard_dim, spec
+from nnx_shard._tactics import Tactic, fsdp, replicate, shard_dim, spec, stacked
 from nnx_shard._trainer import Trainer, default_config
 from nnx_shard._version import __version__
 from nnx_shard.compat import (
@@ -161,6 +162,7 @@ __all__ = [
     "get_local_slice_from_fsarray",
     "host_local_to_global",
     "infer_sharding",
+    "logical_to_mesh",
     "make_fsarray_from_local_slice",
     "mesh_from_string",
     "parse_mesh_dims",
@@ -177,4 +179,5 @@ __all__ = [
     "shard_dim",
     "sharded_init_fn",
     "spec",
+    "stacked",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import re
 import warnings
@@ -14,13 +16,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnx_shard._errors import (
     InvalidRegexError,
     InvalidStrategyError,
+    StateTypeError,
     TacticError,
     UnmatchedLeavesError,
     UnusedRuleWarning,
 )
 from nnx_shard._paths import Leaf, flatten_leaves
 from nnx_shard._plan import LeafPlacement, ShardingPlan
-from nnx_shard._specs import Spec, bytes_per_device, normalize_spec
+from nnx_shard._specs import WHOLE, Spec, bytes_per_device, finalize_spec, normalize_spec
 from nnx_shard._tactic_parser import as_tactic
 from nnx_shard._tactics import Tactic
 
@@ -86,7 +89,41 @@ def _match(rules: list[_Rule], leaf: Leaf) -> tuple[_Rule | None, str | None]:
     return None, None
 
 
-def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = True) -> ShardingPlan:
+STACKED_AXIS_NAMES: tuple[str, ...] = ("layers",)
+
+
+def _check_state(state: Any) -> None:
+    if (
+        inspect.isfunction(state)
+        or inspect.ismethod(state)
+        or inspect.isclass(state)
+        or isinstance(state, functools.partial)
+    ):
+        name = getattr(state, "__name__", type(state).__name__)
+        raise StateTypeError(
+            f"expected a state, Module, Optimizer, EMA or pytree (or their abstract versions); got the "
+            f"callable {name!r}. Pass nnx.eval_shape({name}) to plan from abstract shapes, or the "
+            f"objects it builds."
+        )
+
+
+def _mark_stacked(leaf: Leaf, names: Sequence[str]) -> Spec:
+    """The starting spec: dimensions NNX marks as stacked layers are kept whole."""
+    annotation = leaf.annotation() or ()
+    leaf.stacked = tuple(i for i, n in enumerate(annotation) if isinstance(n, str) and n in names)
+    for i in leaf.stacked:
+        leaf.notes.append(f"dim {i} kept whole: stacked layer axis {annotation[i]!r}")
+    return tuple(WHOLE if i in leaf.stacked else None for i in range(leaf.ndim))
+
+
+def plan_sharding(
+    state: Any,
+    strategy: Strategy,
+    mesh: Mesh,
+    *,
+    strict: bool = True,
+    stacked_axis_names: Sequence[str] = STACKED_AXIS_NAMES,
+) -> ShardingPlan:
     """Infers shardings and returns the full plan: per leaf its rule, spec and bytes.
 
     Takes the same arguments as :func:`infer_sharding`; the shardings are in
@@ -101,6 +138,7 @@ def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = 
     >>> plan.leaf("kernel").spec, plan.leaf("kernel").bytes_per_device
     (P(None, 'fsdp'), 8192)
     """
+    _check_state(state)
     rules = _compile_strategy(strategy)
     leaves, treedef = flatten_leaves(state)
     cache: dict[Spec, NamedSharding] = {}
@@ -123,7 +161,7 @@ def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = 
         rule, matched = _match(rules, leaf)
         if rule is not None:
             used.add(rule.index)
-        spec: Spec = (None,) * leaf.ndim
+        spec: Spec = _mark_stacked(leaf, stacked_axis_names)
         if leaf.ndim == 0:
             leaf.notes.append("scalar: replicated")
         elif rule is None:
@@ -134,7 +172,7 @@ def plan_sharding(state: Any, strategy: Strategy, mesh: Mesh, *, strict: bool = 
                 spec = normalize_spec(rule.tactic(spec, mesh, leaf.path, leaf), leaf.ndim, leaf.describe())
             except TacticError as e:
                 raise e.with_rule(rule.index, rule.pattern, rule.text) from None
-        sharding = sharding_for(spec)
+        sharding = sharding_for(finalize_spec(spec))
         out.append(sharding)
         placements.append(
             LeafPlacement(
@@ -187,8 +225,9 @@ def _log_notes(placements: list[LeafPlacement], rules: list[_Rule]) -> None:
         where = (
             "no rule" if index is None else f"rule {index} ({rules[index].pattern!r}, {rules[index].text!r})"
         )
-        level = logging.INFO if "below min_size" in ps[0].notes[0] else logging.WARNING
         first = next(n for n in ps[0].notes if n.startswith(kind))
+        # Leaves left replicated for lack of a divisible dimension or an annotation deserve a look.
+        level = logging.WARNING if "no free dimension" in first or "no sharding annotation" in first else logging.INFO
         logger.log(
             level,
             "%s: %d leaves %s; first %r %s: %s",
@@ -208,6 +247,7 @@ def infer_sharding(
     *,
     strict: bool = True,
     return_plan: bool = False,
+    stacked_axis_names: Sequence[str] = STACKED_AXIS_NAMES,
 ) -> Any:
     """Infers a ``NamedSharding`` for every leaf from an ordered list of (regex, tactic) rules.
 
@@ -231,6 +271,12 @@ def infer_sharding(
       strict: raise :class:`UnmatchedLeavesError` when a leaf with dimensions
         matches no rule (else it is replicated, and the plan says so).
       return_plan: return ``(shardings, plan)``.
+      stacked_axis_names: names that mark a stacked layer axis in a leaf's
+        NNX annotation (``nnx.vmap`` / ``nnx.scan`` with
+        ``transform_metadata={nnx.PARTITION_NAME: 'layers'}`` insert it); such
+        dimensions are kept whole by every tactic unless ``annotated()`` maps
+        the name to a mesh axis. An optimizer slot that lost the annotation
+        takes its parameter's. Tactics can mark a dimension too: ``stacked(dim=0)``.
 
     Returns:
       A pytree of ``NamedSharding`` mirroring ``state`` (an ``nnx.State`` for a
@@ -241,6 +287,7 @@ def infer_sharding(
       InvalidStrategyError: a malformed strategy or regex.
       TacticError: a subclass naming the rule, the leaf and the fix.
       UnmatchedLeavesError: in strict mode, leaves no rule matched.
+      StateTypeError: a factory or class instead of a state (use ``nnx.eval_shape``).
 
     >>> import optax
     >>> from flax import nnx
@@ -252,5 +299,5 @@ def infer_sharding(
     >>> infer_sharding(opt, strategy, mesh)["opt_state"][0]["mu"]["kernel"].spec
     P(None, 'fsdp')
     """
-    plan = plan_sharding(state, strategy, mesh, strict=strict)
+    plan = plan_sharding(state, strategy, mesh, strict=strict, stacked_axis_names=stacked_axis_names)
     return (plan.shardings, plan) if return_plan else plan.shardings

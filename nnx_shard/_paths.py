@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
+from flax.nnx.training.optimizer import OptState
 
 from nnx_shard._specs import itemsize
 
@@ -113,10 +114,15 @@ class Leaf:
       shape: the global shape, or None for a leaf without one (masked entries).
       dtype: the dtype, or None.
       variable: the ``nnx.Variable`` holding it, if any (for its metadata).
-      candidates: the parameter paths it mirrors, most specific last.
+      candidates: other names a strategy rule may match it by: the path inside
+        its group, and for an optimizer or EMA leaf the parameter it mirrors
+        (``up/kernel``, and ``model/up/kernel`` when grouped with the model).
       notes: soft findings about its placement (too small to shard, ...).
+      mirror: the parameter path it mirrors (optimizer or EMA state), if any.
+      mirror_variable: that parameter's Variable, when the model is at hand.
+      stacked: dimensions NNX marks as stacked layers (kept whole by default).
 
-    >>> leaf = Leaf("opt_state/0/mu/up/kernel", (16, 32), "bfloat16", candidates=("up/kernel",))
+    >>> leaf = Leaf("opt_state/0/mu/up/kernel", (16, 32), "bfloat16", candidates=("up/kernel",), mirror="up/kernel")
     >>> leaf.nbytes, leaf.mirrors, leaf.describe()
     (1024, 'up/kernel', "'opt_state/0/mu/up/kernel' (shape (16, 32))")
     """
@@ -127,6 +133,9 @@ class Leaf:
     variable: Any = None
     candidates: tuple[str, ...] = ()
     notes: list[str] = dataclasses.field(default_factory=list)
+    mirror: str | None = None
+    mirror_variable: Any = None
+    stacked: tuple[int, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -154,7 +163,23 @@ class Leaf:
     @property
     def mirrors(self) -> str | None:
         """The parameter path this leaf mirrors (optimizer or EMA), if any."""
-        return self.candidates[-1] if self.candidates else None
+        return self.mirror
+
+    def metadata(self) -> dict[str, Any]:
+        """The NNX metadata of its Variable, else of the parameter it mirrors (empty for plain arrays).
+
+        Optimizer slots that lost an annotation their parameter carries (flax
+        #5112) get the parameter's.
+        """
+        own = self.variable.get_metadata() if self.variable is not None else {}
+        if _annotation_names(own) is None and self.mirror_variable is not None:
+            return self.mirror_variable.get_metadata()
+        return own
+
+    def annotation(self) -> tuple[Any, ...] | None:
+        """The logical names of its dimensions (``out_sharding``, ``sharding_names`` or ``sharding``), if any."""
+        names = _annotation_names(self.metadata())
+        return tuple(names) if names is not None and len(names) == self.ndim else None
 
     def describe(self) -> str:
         """``'up/kernel' (shape (16, 32))``, for error messages."""
@@ -197,27 +222,98 @@ def as_state(tree: Any) -> tuple[Any, int]:
     return tree, 0
 
 
+def _annotation_names(meta: dict[str, Any]) -> Any:
+    return meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding") or None
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, nnx.Optimizer):
+        return "optimizer"
+    if isinstance(obj, nnx.EMA):
+        return "ema"
+    return "model" if is_graph_object(obj) else "state"
+
+
+def _group_kinds(tree: Any, group_depth: int) -> dict[Any, str]:
+    if not group_depth:
+        return {None: _kind(tree)}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    return {str(k): _kind(v) for k, v in items}
+
+
+def _in_optax_state(keypath: tuple[Any, ...]) -> bool:
+    fields = optax_state_fields()
+    return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name in fields for k in keypath)
+
+
 def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
     """Flattens a state, Module or pytree into :class:`Leaf` records and a treedef.
 
     The treedef has one leaf per ``nnx.Variable`` (or per array of a plain
     pytree), so ``jax.tree_util.tree_unflatten(treedef, values)`` builds a tree
-    of the same structure holding ``values``.
+    of the same structure holding ``values``. A leaf mirrors a parameter only
+    when it is known to be optimizer or EMA state: it belongs to an
+    ``nnx.Optimizer`` (its Variables are ``OptState``s) or to an optax state, or
+    to an ``nnx.EMA``, or, among grouped states, it sits under ``params`` and a
+    parameter of the same path and shape lives in another group.
     """
     state, group_depth = as_state(tree)
-    flat, treedef = flatten_with_paths(state)
-    leaves = []
-    for path, value in flat:
+    kinds = _group_kinds(tree, group_depth)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)
+    records = []
+    index: dict[str | None, dict[str, tuple[tuple[int, ...] | None, Any]]] = {}
+    for keypath, value in flat:
+        path = path_str(keypath)
         segments = tuple(path.split("/")) if path else ()
+        group = segments[0] if group_depth and segments else None
         abstract = abstract_of(value)
+        shape = abstract[0] if abstract is not None else None
+        records.append((keypath, path, segments, group, value, abstract))
+        index.setdefault(group, {})["/".join(segments[group_depth:])] = (shape, value)
+
+    def holder(param: str, shape: Any, own: Any) -> str | None:
+        found = [g for g, paths in index.items() if g != own and param in paths and paths[param][0] == shape]
+        return next((g for g in found if kinds.get(g) == "model"), found[0] if found else None)
+
+    leaves = []
+    for keypath, path, segments, group, value, abstract in records:
         shape, dtype = abstract if abstract is not None else (None, None)
+        rel = segments[group_depth:]
+        kind = kinds.get(group, "state")
+        known = (
+            kind in ("optimizer", "ema")
+            or isinstance(value, OptState)
+            or _in_optax_state(keypath)
+            or (
+                bool(group_depth)
+                and len(rel) > 1
+                and rel[0] == "params"
+                and holder("/".join(rel[1:]), shape, group)
+            )
+        )
+        candidates = (
+            mirror_candidates(segments, group_depth) if known else (("/".join(rel),) if group_depth else ())
+        )
+        fields = [i for i, k in enumerate(keypath) if isinstance(k, jax.tree_util.GetAttrKey)]
+        if known and fields and len(candidates) < 2 and fields[-1] + 1 < len(segments):
+            # An optax state under the user's own keys: what follows its last field is the parameter.
+            candidates = (*candidates, "/".join(segments[fields[-1] + 1 :]))
+        mirror = candidates[-1] if known and candidates and candidates[-1] != "/".join(rel) else None
+        mirror_variable = None
+        if mirror is not None and group_depth:
+            model = holder(mirror, shape, group)
+            if model is not None:
+                candidates = (*candidates, f"{model}/{mirror}")  # rules written against model/... paths
+                mirror_variable = index[model][mirror][1]
         leaves.append(
             Leaf(
                 path=path,
                 shape=shape,
                 dtype=dtype,
-                variable=value if isinstance(value, nnx.Variable) else None,
-                candidates=mirror_candidates(segments, group_depth),
+                variable=value if is_variable(value) else None,
+                candidates=candidates,
+                mirror=mirror,
+                mirror_variable=mirror_variable if is_variable(mirror_variable) else None,
             )
         )
     return leaves, treedef

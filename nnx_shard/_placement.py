@@ -8,12 +8,13 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, Sharding
 
 from nnx_shard._errors import PlacementError
 from nnx_shard._inference import plan_sharding
 from nnx_shard._paths import as_state, flatten_with_paths, is_graph_object
 from nnx_shard._plan import ShardingPlan
+from nnx_shard._specs import format_spec, spec_problems
 
 
 def _is_leaf(x: Any) -> bool:
@@ -34,6 +35,26 @@ def _target_sharding(ref: Any) -> tuple[Sharding | None, tuple[int, ...] | None,
 def _flatten(tree: Any) -> tuple[dict[str, Any], Any]:
     flat, treedef = flatten_with_paths(tree, is_leaf=_is_leaf)
     return dict(flat), treedef
+
+
+def _indivisible(sharding: Sharding, shape: tuple[int, ...]) -> str | None:
+    """How ``sharding`` fails to divide ``shape`` evenly, in words; None when it does."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+        if len(spec) > len(shape):
+            return f"{format_spec(spec)}: the spec has more entries than the array has dimensions"
+        for p in spec_problems(spec, shape, sharding.mesh.shape):
+            if p.kind == "indivisible":
+                return (
+                    f"{format_spec(spec)}: dim {p.dim} of size {p.size} is not divisible by the "
+                    f"{p.shards} shards of {p.axis!r}"
+                )
+        return None
+    try:
+        sharding.shard_shape(shape)
+    except ValueError as e:
+        return f"{sharding}: {str(e).splitlines()[0]}"
+    return None
 
 
 def _put(value: Any, sharding: Sharding) -> jax.Array:
@@ -64,8 +85,9 @@ def place_like_target(tree: Any, target: Any) -> Any:
 
     Raises:
       PlacementError: the structures differ (the first differing paths are
-        named), a leaf's shape or dtype differs from its target's, or a
-        target lies only on devices this process cannot address.
+        named), a leaf's shape or dtype differs from its target's, a target
+        sharding does not divide the leaf's shape, or a target lies only on
+        devices this process cannot address; all checked before any transfer.
 
     >>> import numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -111,6 +133,13 @@ def place_like_target(tree: Any, target: Any) -> Any:
             raise PlacementError(
                 f"{path!r} has dtype {got_dtype} but its target has {dtype}. Cast it first "
                 f"(nothing is cast silently)."
+            )
+        problem = _indivisible(sharding, got_shape)
+        if problem:
+            raise PlacementError(
+                f"{path!r} of shape {got_shape} cannot be placed on {problem}. Pad the array, pick "
+                f"a sharding whose shards divide it, or infer one with infer_sharding (fsdp skips "
+                f"dimensions it cannot divide)."
             )
         if not sharding.addressable_devices:
             devices = sorted(d.id for d in sharding.device_set)

@@ -16,16 +16,17 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from nnx_shard._errors import TacticArgumentError, TacticSyntaxError, UnknownTacticError
+from nnx_shard._logical import annotated
 from nnx_shard._tactics import (
     Chain,
     FunctionTactic,
     Tactic,
-    annotated,
     fsdp,
     replicate,
     shard_dim,
     spec,
     spec_tactic,
+    stacked,
 )
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
@@ -61,7 +62,7 @@ def registered_tactics() -> list[str]:
     return sorted(_REGISTRY)
 
 
-for _factory in (replicate, fsdp, shard_dim, spec, annotated):
+for _factory in (replicate, fsdp, shard_dim, spec, annotated, stacked):
     register_tactic(_factory)
 register_tactic("logical_partitioning")(annotated)
 

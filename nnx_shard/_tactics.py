@@ -22,13 +22,16 @@ from nnx_shard._errors import (
 )
 from nnx_shard._paths import Leaf
 from nnx_shard._specs import (
+    WHOLE,
     Spec,
     SpecEntry,
     entry_size,
+    finalize_spec,
     format_spec,
     normalize_spec,
     spec_axes,
     spec_problems,
+    trim_spec,
 )
 
 AxisArg = str | Sequence[str]
@@ -54,6 +57,11 @@ def check_axes(axes: Sequence[str], mesh: Mesh, leaf: Leaf, tactic: str) -> None
             f"cannot place {leaf.describe()} with {tactic}: mesh axis {missing[0]!r} is not "
             f"in the mesh, whose axes are {tuple(mesh.axis_names)}. Use one of those names."
         )
+
+
+def sharded(entry: Any) -> bool:
+    """True for a spec entry that names mesh axes (not None, not a dimension kept whole)."""
+    return entry is not None and entry is not WHOLE
 
 
 def _check_unused(axes: Sequence[str], cur: Spec, leaf: Leaf, tactic: str) -> None:
@@ -118,7 +126,7 @@ class Chain(Tactic):
 
 class _Replicate(Tactic):
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
-        if any(e is not None for e in cur_spec):
+        if any(sharded(e) for e in cur_spec):
             raise ShardingConflictError(
                 f"cannot replicate {leaf.describe()}: it is already {format_spec(cur_spec)}. "
                 f"Put the more specific rule first, or drop one tactic."
@@ -149,7 +157,7 @@ class _Fsdp(Tactic):
 
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
         check_axes(self.axes, mesh, leaf, str(self))
-        _check_unused(self.axes, cur_spec, leaf, str(self))
+        # A step that would shard nothing never conflicts (as in big_vision).
         if leaf.nbytes <= self.min_size_to_shard_mb * 2**20:
             leaf.notes.append(
                 f"fsdp: replicated, {leaf.nbytes} bytes is below "
@@ -158,9 +166,10 @@ class _Fsdp(Tactic):
             return cur_spec
         size = entry_size(mesh.shape, self.axes)
         # Largest dimension first; among equal sizes the last one (the output
-        # features of a kernel), as big_vision does.
+        # features of a kernel), as big_vision does. Dimensions kept whole are skipped.
         for i in sorted(range(leaf.ndim), key=lambda i: (leaf.shape[i], i), reverse=True):
             if cur_spec[i] is None and leaf.shape[i] % size == 0:
+                _check_unused(self.axes, cur_spec, leaf, str(self))
                 return cur_spec[:i] + (_entry(self.axes),) + cur_spec[i + 1 :]
         leaf.notes.append(
             f"fsdp: replicated, no free dimension of {leaf.shape} is divisible by "
@@ -196,21 +205,37 @@ def fsdp(axis: AxisArg, min_size_to_shard_mb: float = 4) -> Tactic:
     return _Fsdp(axis, min_size_to_shard_mb)
 
 
+def _dim(dim: Any, tactic: str) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TacticArgumentError(f"{tactic}(dim=...) takes an integer; got {dim!r}.")
+    return dim
+
+
 class _ShardDim(Tactic):
-    def __init__(self, axis: AxisArg, dim: int):
+    def __init__(self, axis: AxisArg, dim: int, ignore_ndim_error: bool = False):
         self.axes = _axes(axis, "shard_dim")
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise TacticArgumentError(f"shard_dim(dim=...) takes an integer; got {dim!r}.")
-        self.dim = dim
+        self.dim = _dim(dim, "shard_dim")
+        self.ignore_ndim_error = bool(ignore_ndim_error)
 
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
         check_axes(self.axes, mesh, leaf, str(self))
         if not -leaf.ndim <= self.dim < leaf.ndim:
+            if self.ignore_ndim_error:
+                leaf.notes.append(
+                    f"shard_dim: skipped, dim {self.dim} is not among its {leaf.ndim} dimensions"
+                )
+                return cur_spec
             raise TacticArgumentError(
                 f"cannot shard dim {self.dim} of {leaf.describe()}: it has {leaf.ndim} "
-                f"dimensions. Use a dim in [{-leaf.ndim}, {leaf.ndim - 1}] or a narrower regex."
+                f"dimensions. Use a dim in [{-leaf.ndim}, {leaf.ndim - 1}], a narrower regex, "
+                f"or ignore_ndim_error=True (big_vision) to skip such leaves."
             )
         i = self.dim % leaf.ndim
+        if cur_spec[i] is WHOLE:
+            raise ShardingConflictError(
+                f"cannot shard dim {self.dim} of {leaf.describe()}: it is kept whole (a stacked layer "
+                f"axis, or marked by stacked()). Shard another dimension."
+            )
         if cur_spec[i] is not None:
             raise ShardingConflictError(
                 f"cannot shard dim {self.dim} of {leaf.describe()}: it is already "
@@ -228,11 +253,15 @@ class _ShardDim(Tactic):
 
     def __str__(self) -> str:
         axis = self.axes[0] if len(self.axes) == 1 else self.axes
-        return f"shard_dim(axis={axis!r}, dim={self.dim})"
+        extra = ", ignore_ndim_error=True" if self.ignore_ndim_error else ""
+        return f"shard_dim(axis={axis!r}, dim={self.dim}{extra})"
 
 
-def shard_dim(axis: AxisArg, dim: int) -> Tactic:
+def shard_dim(axis: AxisArg, dim: int, ignore_ndim_error: bool = False) -> Tactic:
     """Shards dimension ``dim`` (negative counts from the end) over ``axis``; raises if it cannot.
+
+    With ``ignore_ndim_error=True`` (as in big_vision), a leaf without that
+    dimension is left as it is, with a note in the plan.
 
     >>> from nnx_shard import create_mesh
     >>> from nnx_shard import Leaf
@@ -240,7 +269,62 @@ def shard_dim(axis: AxisArg, dim: int) -> Tactic:
     >>> shard_dim("tp", -1)((None, None), mesh, "w", Leaf("w", (6, 8), "float32"))
     (None, 'tp')
     """
-    return _ShardDim(axis, dim)
+    return _ShardDim(axis, dim, ignore_ndim_error)
+
+
+class _Stacked(Tactic):
+    def __init__(self, dim: int):
+        self.dim = _dim(dim, "stacked")
+
+    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
+        if not -leaf.ndim <= self.dim < leaf.ndim:
+            raise TacticArgumentError(
+                f"cannot keep dim {self.dim} of {leaf.describe()} whole: it has {leaf.ndim} dimensions."
+            )
+        i = self.dim % leaf.ndim
+        if sharded(cur_spec[i]):
+            raise ShardingConflictError(
+                f"cannot keep dim {self.dim} of {leaf.describe()} whole: it is already "
+                f"{format_spec(cur_spec)}. Put stacked() first in the chain."
+            )
+        return cur_spec[:i] + (WHOLE,) + cur_spec[i + 1 :]
+
+    def __str__(self) -> str:
+        return f"stacked(dim={self.dim})"
+
+
+def stacked(dim: int = 0) -> Tactic:
+    """Keeps dimension ``dim`` whole: the later tactics of the chain leave it unsharded.
+
+    For layers stacked by ``nnx.vmap`` / ``nnx.scan``, whose layer count may
+    be the largest dimension: ``"stacked(dim=0)|fsdp(axis='fsdp')"`` shards a
+    layer's own dimensions, never the layer axis. Dimensions NNX marks with
+    ``transform_metadata={nnx.PARTITION_NAME: 'layers'}`` are kept whole
+    without it (see :func:`nnx_shard.infer_sharding`'s ``stacked_axis_names``).
+
+    >>> from nnx_shard import Leaf, create_mesh
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> leaf = Leaf("blocks/kernel", (16, 8, 8), "float32")
+    >>> (stacked(0) | fsdp("fsdp", 0))((None, None, None), mesh, leaf.path, leaf)
+    (WHOLE, None, 'fsdp')
+    """
+    return _Stacked(dim)
+
+
+def fit_spec(spec: Any, cur_spec: Spec, leaf: Leaf, tactic: str) -> Spec:
+    """A tactic's full spec fitted to the leaf: longer specs trimmed (noted), dimensions kept whole respected."""
+    out, trimmed = trim_spec(spec, leaf.ndim, leaf.describe())
+    if trimmed:
+        leaf.notes.append(
+            f"{tactic}: trimmed {format_spec(tuple(spec))} to the leaf's {leaf.ndim} dimensions"
+        )
+    for i, (was, new) in enumerate(zip(cur_spec, out, strict=True)):
+        if was is WHOLE and sharded(new):
+            raise ShardingConflictError(
+                f"cannot set {format_spec(out)} on {leaf.describe()}: dim {i} is kept whole (a "
+                f"stacked layer axis, or marked by stacked()). Leave it None."
+            )
+    return tuple(WHOLE if was is WHOLE else new for was, new in zip(cur_spec, out, strict=True))
 
 
 class _Spec(Tactic):
@@ -248,12 +332,12 @@ class _Spec(Tactic):
         self.entries = normalize_spec(entries, len(entries), "spec()")
 
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
-        if any(e is not None for e in cur_spec):
+        if any(sharded(e) for e in cur_spec):
             raise ShardingConflictError(
                 f"cannot set {format_spec(self.entries)} on {leaf.describe()}: it is already "
                 f"{format_spec(cur_spec)}. spec() sets the whole spec: put it alone or first."
             )
-        spec = normalize_spec(self.entries, leaf.ndim, leaf.describe())
+        spec = fit_spec(self.entries, cur_spec, leaf, str(self))
         return validate_spec(spec, mesh, leaf, str(self))
 
     def __str__(self) -> str:
@@ -270,90 +354,6 @@ def spec(*entries: SpecEntry) -> Tactic:
     ('tp', None)
     """
     return _Spec(entries)
-
-
-class _Annotated(Tactic):
-    def __init__(self, rules: Sequence[Sequence[Any]] | None):
-        if rules is not None:
-            try:
-                rules = tuple((str(a), _rule_target(b)) for a, b in rules)
-            except (TypeError, ValueError):
-                raise TacticArgumentError(
-                    f"annotated(rules=...) takes (logical_name, mesh_axis) pairs; got {rules!r}."
-                ) from None
-        self.rules = rules
-
-    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
-        annotation = _annotation(leaf, self.rules)
-        if annotation is None:
-            leaf.notes.append("annotated: replicated, the leaf has no sharding annotation")
-            return cur_spec
-        new = normalize_spec(annotation, leaf.ndim, leaf.describe())
-        for axis in spec_axes(new):
-            if axis not in mesh.shape:
-                raise MeshAxisError(
-                    f"cannot place {leaf.describe()} with {self}: its annotation "
-                    f"{format_spec(new)} names {axis!r}, which is not a mesh axis "
-                    f"{tuple(mesh.axis_names)}. Map logical names to mesh axes with "
-                    f"annotated(rules=[({axis!r}, 'fsdp'), ...])."
-                )
-        merged = list(cur_spec)
-        for i, e in enumerate(new):
-            if e is None:
-                continue
-            if merged[i] is not None and merged[i] != e:
-                raise ShardingConflictError(
-                    f"cannot apply annotation {format_spec(new)} to {leaf.describe()}: it is "
-                    f"already {format_spec(cur_spec)}. Put the more specific rule first, or "
-                    f"drop one tactic."
-                )
-            merged[i] = e
-        return validate_spec(tuple(merged), mesh, leaf, str(self))
-
-    def __str__(self) -> str:
-        return "annotated()" if self.rules is None else f"annotated(rules={list(self.rules)!r})"
-
-
-def _rule_target(target: Any) -> SpecEntry:
-    if target is None or isinstance(target, str):
-        return target
-    if isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target):
-        return tuple(target)
-    raise ValueError(target)
-
-
-def _annotation(leaf: Leaf, rules: tuple[tuple[str, SpecEntry], ...] | None) -> Spec | None:
-    """The leaf's own ``out_sharding`` metadata, logical names mapped through ``rules``."""
-    var = leaf.variable
-    if var is None:
-        return None
-    meta = var.get_metadata()
-    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
-    if not names:
-        return None
-    if rules is None:
-        from flax.core import spmd
-
-        rules = tuple(spmd.composite_rules(spmd.get_logical_axis_rules(), meta.get("sharding_rules", ())))
-    table: dict[str, SpecEntry] = {}
-    for logical, axis in rules:
-        table.setdefault(logical, axis)
-    return tuple(table.get(n, n) if isinstance(n, str) else n for n in names)
-
-
-def annotated(rules: Sequence[Sequence[Any]] | None = None) -> Tactic:
-    """Uses the leaf's own NNX sharding annotation (``nnx.with_partitioning`` / ``out_sharding``).
-
-    Optimizer leaves carry their parameter's annotation, so one ``annotated()``
-    rule places them too. Logical names are mapped through ``rules``
-    (``[('embed', 'fsdp'), ('mlp', 'tp')]``), else through flax's logical axis
-    rules in context and the variable's own ``sharding_rules``.
-    Leaves without an annotation stay replicated, with a note in the plan.
-
-    >>> str(annotated(rules=[("embed", "fsdp")]))
-    "annotated(rules=[('embed', 'fsdp')])"
-    """
-    return _Annotated(rules)
 
 
 def validate_spec(spec_: Spec, mesh: Mesh, leaf: Leaf, tactic: str) -> Spec:
@@ -391,7 +391,7 @@ class FunctionTactic(Tactic):
         self.text = text or getattr(fn, "__name__", repr(fn))
 
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
-        out = normalize_spec(self.fn(cur_spec, mesh, name, leaf), leaf.ndim, leaf.describe())
+        out = fit_spec(self.fn(finalize_spec(cur_spec), mesh, name, leaf), cur_spec, leaf, self.text)
         return validate_spec(out, mesh, leaf, self.text)
 
     def __str__(self) -> str:

@@ -23,6 +23,7 @@ LAYERS = {
     "_mesh": 2,
     "_paths": 2,
     "_tactics": 3,
+    "_logical": 3,
     "_tactic_parser": 4,
     "_plan": 4,
     "_inference": 5,

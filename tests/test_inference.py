@@ -328,3 +328,162 @@ def test_callable_and_registered_tactics():
     # A user tactic that returns an invalid spec is caught like a built-in one.
     with pytest.raises(ns.IndivisibleShardingError, match=r"cannot shard dim 1 of 'w' \(shape \(16, 3\)\)"):
         ns.infer_sharding(state, [(".*", lambda c, m, n, leaf: (None, "fsdp"))], mesh)
+
+
+# -- the paths users write (issue: inference on the paths users write) ------------------------
+
+
+def test_a_rule_on_the_model_path_places_its_optimizer_and_ema_mirrors():
+    mesh = mesh_of("8")
+    model, opt, ema = make_train_state(ADAMW_CHAIN)
+    grouped = {"model": model, "optimizer": opt, "ema": ema}
+    strategy = [("^model/up/kernel$", "shard_dim(axis='fsdp', dim=0)"), (".*", "replicate")]
+    plan = ns.plan_sharding(grouped, strategy, mesh)
+    for path in (
+        "model/up/kernel",
+        "optimizer/opt_state/1/0/mu/up/kernel",
+        "optimizer/opt_state/1/0/nu/up/kernel",
+        "ema/params/up/kernel",
+    ):
+        assert plan.leaf(path).spec == P("fsdp", None), path
+        assert plan.leaf(path).rule_index == 0, path
+    assert plan.leaf("optimizer/opt_state/1/0/mu/up/kernel").matched == "model/up/kernel"
+    # The same holds for states alone, as a Trainer holds them.
+    states = {k: nnx.state(v) for k, v in grouped.items()}
+    assert ns.infer_sharding(states, strategy, mesh)["ema"]["params"]["up"]["kernel"].spec == P("fsdp", None)
+
+
+def test_mirroring_applies_to_optimizer_and_ema_state_only():
+    mesh = ns.create_mesh((8,), ("data",))
+    state = {"value": {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}}
+    with pytest.warns(ns.UnusedRuleWarning):
+        s = ns.infer_sharding(
+            state, [("^w$", "replicate"), (".*", "fsdp(axis='data', min_size_to_shard_mb=0)")], mesh
+        )
+    assert s["value"]["w"].spec == P(None, "data")  # 'value' is no optimizer, so no mirror of 'w'
+    params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    opt_state = jax.eval_shape(optax.adam(1e-3).init, params)  # a plain optax state still mirrors
+    s = ns.infer_sharding(
+        {"params": params, "opt": opt_state},
+        [("^w$", "replicate"), (".*", "fsdp(axis='data', min_size_to_shard_mb=0)")],
+        mesh,
+    )
+    assert s["opt"][0].mu["w"].spec == P(None, None)
+
+
+def test_a_chain_step_that_does_nothing_never_conflicts():
+    mesh = ns.create_mesh((2, 4), ("data", "model"))
+    state = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    chain = "shard_dim(axis='model', dim=-1)|fsdp(axis=('data','model'))"
+    plan = ns.plan_sharding(state, [(".*", chain)], mesh)
+    assert plan.leaf("w").spec == P(None, "model")
+    assert any("below min_size_to_shard_mb" in n for n in plan.leaf("w").notes)
+    big = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}  # where fsdp would act, it still conflicts
+    with pytest.raises(ns.ShardingConflictError, match="cannot use mesh axis 'model' again"):
+        ns.infer_sharding(big, [(".*", chain)], mesh)
+
+
+def test_logical_rules_with_fallbacks_skip_used_mesh_axes_like_flax():
+    mesh = ns.create_mesh((2, 4), ("data", "model"))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0)))
+    rules = [("embed", "data"), ("mlp", "data"), ("mlp", "model")]
+    s = ns.infer_sharding(model, [(".*kernel", f"annotated(rules={rules!r})"), (".*", "replicate")], mesh)
+    assert s["kernel"].spec == P("data", "model")
+    with nnx.logical_axis_rules(rules):  # flax's own rules in context give the same
+        s = ns.infer_sharding(model, [(".*kernel", "annotated()"), (".*", "replicate")], mesh)
+    assert s["kernel"].spec == P("data", "model")
+    assert ns.logical_to_mesh(("mlp", "embed"), tuple(rules)) == ("data", None)  # the earlier rule wins
+
+
+def test_ported_configs_shard_dim_ignore_ndim_error_and_trimmed_specs():
+    mesh = mesh_of("2x4")
+    state = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32), "b": jax.ShapeDtypeStruct((16,), jnp.float32)}
+    plan = ns.plan_sharding(state, [(".*", "shard_dim(axis='dp', dim=1, ignore_ndim_error=True)")], mesh)
+    assert plan.leaf("w").spec == P(None, "dp") and plan.leaf("b").spec == P(None)
+    assert "shard_dim: skipped, dim 1 is not among its 1 dimensions" in plan.leaf("b").notes
+    plan = ns.plan_sharding(state, [(".*", "spec('fsdp', None, None)")], mesh)
+    assert plan.leaf("b").spec == P("fsdp")
+    assert (
+        "spec('fsdp', None, None): trimmed P('fsdp', None, None) to the leaf's 1 dimensions"
+        in plan.leaf("b").notes
+    )
+    with pytest.raises(ns.TacticArgumentError, match=r"entries beyond dimension 0 name mesh axes P\('dp'\)"):
+        ns.infer_sharding({"b": state["b"]}, [(".*", "spec('fsdp', 'dp')")], mesh)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs, annotate):
+        init = nnx.initializers.lecun_normal()
+        if annotate:
+            init = nnx.with_partitioning(init, (None, None))
+        self.lin = nnx.Linear(8, 8, kernel_init=init, rngs=rngs)
+
+
+class Scanned(nnx.Module):
+    """16 layers of 8x8 stacked by nnx.vmap: the layer count is the largest dimension."""
+
+    def __init__(self, rngs, annotate=True):
+        @nnx.split_rngs(splits=16)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs):
+            return Block(rngs, annotate)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return jax.nn.relu(block.lin(x))
+
+        return body(x, self.blocks)
+
+
+def test_stacked_layers_keep_their_layer_axis_whole():
+    mesh = mesh_of("8")
+    strategy = [(".*kernel", F), (".*", "replicate")]
+
+    def build(annotate):
+        model = Scanned(nnx.Rngs(0), annotate)
+        return {
+            "model": model,
+            "optimizer": nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, decay=0.9, only=nnx.Param),
+        }
+
+    with nnx.use_eager_sharding(False):
+        marked = nnx.eval_shape(lambda: build(True))
+    plan = ns.plan_sharding(marked, strategy, mesh)  # NNX's own marking of the stacked axis is honoured
+    for path in (
+        "model/blocks/lin/kernel",
+        "optimizer/opt_state/0/mu/blocks/lin/kernel",
+        "ema/params/blocks/lin/kernel",
+    ):
+        assert plan.leaf(path).shape == (16, 8, 8)
+        assert plan.leaf(path).spec == P(None, None, "fsdp"), path
+    assert "dim 0 kept whole: stacked layer axis 'layers'" in plan.leaf("model/blocks/lin/kernel").notes
+    plain = nnx.eval_shape(lambda: build(False))  # no annotation: fsdp would shard the layers
+    assert ns.plan_sharding(plain, strategy, mesh).leaf("model/blocks/lin/kernel").spec == P(
+        "fsdp", None, None
+    )
+    marked_by_rule = [(".*kernel", "stacked(dim=0)|" + F), (".*", "replicate")]  # unless the strategy says so
+    plan = ns.plan_sharding(plain, marked_by_rule, mesh)
+    assert plan.leaf("optimizer/opt_state/0/nu/blocks/lin/kernel").spec == P(None, None, "fsdp")
+    with pytest.raises(ns.ShardingConflictError, match="dim 0 of .* is kept whole"):
+        ns.infer_sharding(marked, [(".*kernel", "shard_dim(axis='fsdp', dim=0)"), (".*", "replicate")], mesh)
+    objects, _ = ns.create_sharded(lambda: build(False), marked_by_rule, mesh)  # and it runs
+    y = nnx.jit(lambda m, x: m(x))(objects["model"], jnp.ones((4, 8)))
+    assert y.shape == (4, 8)
+
+
+def test_a_factory_instead_of_its_abstract_state_is_refused_clearly():
+    def create_fn():
+        return MLP(nnx.Rngs(0))
+
+    with pytest.raises(
+        ns.StateTypeError, match=r"got the callable 'create_fn'. Pass nnx.eval_shape\(create_fn\)"
+    ):
+        ns.infer_sharding(create_fn, [(".*", F)], mesh_of("8"))
+    with pytest.raises(TypeError):
+        ns.infer_sharding(MLP, [(".*", F)], mesh_of("8"))

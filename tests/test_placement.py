@@ -118,3 +118,18 @@ def test_sharded_init_never_holds_a_full_sharded_array():
     # The largest sharded array whole would be 64 KiB; no buffer that big is live.
     largest = max(p.total_bytes for p in plan.leaves if p.sharded)
     assert memory.temp_size_in_bytes < largest
+
+
+def test_shardings_alone_are_checked_for_divisibility_before_any_transfer():
+    from jax.sharding import NamedSharding
+
+    mesh = ns.create_mesh((8,), ("fsdp",))
+    before = len(jax.live_arrays())
+    tree = {"ok": np.ones((16, 4), np.float32), "bad": np.ones((12, 4), np.float32)}
+    target = {"ok": NamedSharding(mesh, P("fsdp")), "bad": NamedSharding(mesh, P("fsdp"))}
+    with pytest.raises(PlacementError) as e:
+        place_like_target(tree, target)
+    text = str(e.value)
+    assert "'bad' of shape (12, 4) cannot be placed on P('fsdp')" in text
+    assert "dim 0 of size 12 is not divisible by the 8 shards of 'fsdp'" in text and "Pad the array" in text
+    assert len(jax.live_arrays()) == before  # nothing was placed
