@@ -9,7 +9,8 @@ The seeds' API (eformer's rules and analyzer, big_vision's local-slice helpers)
 lives in :mod:`nnx_shard.compat` and is re-exported here under its old names.
 """
 
-from nnx_shard._checkpoint import Checkpointer, RestoreReport, abstract_target
+from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._checkpoint_format import RestoreReport, abstract_target
 from nnx_shard._errors import (
     BarrierTimeoutError,
     BatchStructureError,

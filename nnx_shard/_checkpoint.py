@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import logging
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -14,16 +15,28 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
+from nnx_shard._checkpoint_format import (
+    changed_files,
+    describe_strategy,
+    leaf_paths,
+    mesh_metadata,
+    restore_keys,
+    storable,
+    storage_target,
+    structure_problems,
+    tree_fingerprints,
+    write_file_manifest,
+)
 from nnx_shard._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     NoCheckpointError,
 )
-from nnx_shard._mesh import describe_mesh
-from nnx_shard._paths import as_state, flatten_with_paths, is_variable
+from nnx_shard._paths import as_state
 from nnx_shard._version import __version__
 
+logger = logging.getLogger("nnx_shard")
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
@@ -34,90 +47,12 @@ def _close_open_checkpointers() -> None:
         checkpointer.close()
 
 
-def describe_strategy(strategy: Sequence[tuple[str, Any]] | None) -> list[list[str]] | None:
-    """A JSON-ready copy of a strategy: ``[[regex, tactic text], ...]``."""
-    if strategy is None:
-        return None
-    return [[str(p), t if isinstance(t, str) else str(t)] for p, t in strategy]
-
-
-def mesh_metadata(mesh: Mesh | None) -> dict[str, Any]:
-    """What a checkpoint records about where it was saved."""
-    out: dict[str, Any] = {"devices": jax.device_count(), "processes": jax.process_count()}
-    if mesh is not None:
-        out["mesh_axis_names"] = list(mesh.axis_names)
-        out["mesh_shape"] = [int(s) for s in mesh.devices.shape]
-        out["mesh"] = describe_mesh(mesh)
-    return out
-
-
-def abstract_target(state: Any, shardings: Any) -> Any:
-    """Abstract arrays carrying the target shardings, for Orbax to restore straight into.
-
-    ``state`` may be live or abstract (``nnx.eval_shape``) Modules, States or
-    pytrees; ``shardings`` is :func:`nnx_shard.infer_sharding`'s output for it.
-    Nothing is allocated.
-
-    >>> from nnx_shard import create_mesh, infer_sharding
-    >>> mesh = create_mesh((8,), ("fsdp",))
-    >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 16, rngs=nnx.Rngs(0)))
-    >>> target = abstract_target(model, infer_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh))
-    >>> target["kernel"].get_value().sharding.spec
-    P(None, 'fsdp')
-    """
-    states, _ = as_state(state)
-
-    def one(sharding: Any, leaf: Any) -> Any:
-        value = leaf.get_value() if is_variable(leaf) else leaf
-        if sharding is None or not hasattr(value, "shape"):
-            return leaf
-        sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-        return leaf.replace(sds) if is_variable(leaf) else sds
-
-    return jax.tree.map(one, shardings, states, is_leaf=lambda x: x is None)
-
-
-def leaf_paths(tree: Any) -> dict[str, Any]:
-    """``path -> value`` for every leaf, in the layout Orbax saves (a Variable's ``/value`` dropped)."""
-    out = {}
-    for path, leaf in flatten_with_paths(tree)[0]:
-        out[path.removesuffix("/value")] = leaf.get_value() if is_variable(leaf) else leaf
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreReport:
-    """What a restore did: which step, from where, onto what.
-
-    >>> print(RestoreReport(300, {"devices": 8, "mesh": "fsdp=8", "processes": 1}, 4, 1, "fsdp=4"))
-    restored step 300, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"""
-
-    step: int
-    saved: dict[str, Any]
-    devices: int
-    processes: int
-    mesh: str
-
-    def __str__(self) -> str:
-        show = self.saved.get("processes", 1) != 1 or self.processes != 1
-        saved = _where(
-            self.saved.get("devices", 0), self.saved.get("mesh", "?"), self.saved.get("processes", 1), show
-        )
-        onto = _where(self.devices, self.mesh, self.processes, show)
-        return f"restored step {self.step}, saved on {saved}, onto {onto}"
-
-
-def _where(devices: int, mesh: str, processes: int, show_processes: bool) -> str:
-    """``8 devices (fsdp=8)``, ``1 device``, ``4 devices (fsdp=4) in 2 processes``."""
-    text = f"{devices} device{'s' if devices != 1 else ''}" + (f" ({mesh})" if devices != 1 else "")
-    if show_processes:
-        text += f" in {processes} process{'es' if processes != 1 else ''}"
-    return text
-
-
-def _registry() -> Any:
+def _registry(restore_bytes: int | None = None) -> Any:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state, meta = ocp.PyTreeCheckpointHandler(), ocp.JsonCheckpointHandler()
+    impl = None
+    if restore_bytes is not None:  # Orbax's byte limiter for reads, at byte (not GB) granularity
+        impl = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=int(restore_bytes))
+    state, meta = ocp.PyTreeCheckpointHandler(handler_impl=impl), ocp.JsonCheckpointHandler()
     registry.add("state", ocp.args.PyTreeSave, state)
     registry.add("state", ocp.args.PyTreeRestore, state)
     registry.add("meta", ocp.args.JsonSave, meta)
@@ -158,6 +93,9 @@ class Checkpointer:
       best_metric: keep the best ``max_to_keep`` by this key of ``metrics``.
       best_mode: ``"min"`` or ``"max"`` for ``best_metric``.
       async_save: write in the background (``wait_until_finished`` to block).
+      verify: record a fingerprint of every array at save (computed on the
+        devices, independent of the sharding) and check it on restore, raising
+        :class:`CheckpointCorruptError` naming the arrays that differ.
 
     >>> import tempfile
     >>> from nnx_shard import create_mesh
@@ -177,6 +115,7 @@ class Checkpointer:
         best_metric: str | None = None,
         best_mode: str = "min",
         async_save: bool = True,
+        verify: bool = True,
     ):
         if best_mode not in ("min", "max"):
             raise CheckpointError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
@@ -186,6 +125,9 @@ class Checkpointer:
         )
         self.best_metric = best_metric
         self.best_mode = best_mode
+        self.verify = verify
+        self._unsealed: list[int] = []  # saved steps whose file manifest is not written yet
+        self._budgeted: dict[int, ocp.CheckpointManager] = {}  # readers with a host-memory budget
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_policy(max_to_keep, best_metric, best_mode),
             # best_fn makes Orbax record each step's metrics (it ranks nothing here: the policy does).
@@ -235,16 +177,23 @@ class Checkpointer:
 
         Returns whether a save was started (Orbax may skip a step it already has).
         """
-        states, _ = as_state(dict(objects))
+        states, keys = storable(as_state(dict(objects))[0])
         meta = {
             "step": int(step),
             "nnx_shard_version": __version__,
             "strategy": describe_strategy(strategy),
             **mesh_metadata(mesh),
+            "prng_keys": keys,
             **(dict(extra) if extra else {}),
         }
+        if self.verify:
+            start = time.perf_counter()
+            meta["fingerprints"] = tree_fingerprints(states)
+            logger.info("fingerprinted step %d in %.3f s", step, time.perf_counter() - start)
         if not self._exists():
             self.directory.mkdir(parents=True, exist_ok=True)
+        self.wait_until_finished()  # Orbax waits for the previous save anyway; seal it meanwhile
+        self._unsealed.append(int(step))
         return self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(states), meta=ocp.args.JsonSave(meta)),
@@ -253,9 +202,13 @@ class Checkpointer:
         )
 
     def wait_until_finished(self) -> None:
-        """Blocks until a background save is on disk."""
+        """Blocks until a background save is on disk (and records its files' checksums)."""
         if self._manager is not None:
             self._manager.wait_until_finished()
+        if self.verify:
+            for step in self._unsealed:
+                write_file_manifest(self.directory / str(step))
+        self._unsealed.clear()
 
     def all_steps(self) -> list[int]:
         """The steps on disk, oldest first (empty when the directory does not exist)."""
@@ -289,6 +242,13 @@ class Checkpointer:
         except Exception as e:
             raise self._corrupt(step, e) from None
 
+    def items(self, step: int) -> list[str]:
+        """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
+        try:
+            return sorted(self.manager.metadata(step).item_metadata["state"])
+        except Exception as e:
+            raise self._corrupt(step, e) from None
+
     def _check_step(self, step: int | None) -> int:
         steps = self.all_steps()
         if not steps:
@@ -304,73 +264,121 @@ class Checkpointer:
             )
         return step
 
-    def check_structure(self, step: int, target: Any) -> None:
-        """Raises CheckpointMismatchError naming the paths and shapes that differ."""
+    def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
+        """Raises CheckpointMismatchError naming the paths and shapes that differ.
+
+        With ``items`` (a partial restore), only the saved leaves under those
+        top-level keys are compared; within them the structure must match exactly.
+        """
+        changed = changed_files(self.directory / str(step)) if self.verify else []
+        if changed:
+            raise self._corrupted(
+                step, f"{len(changed)} of its files differ from when it was saved: {changed[:8]}"
+            )
         try:
             saved_tree = self.manager.metadata(step).item_metadata["state"]
+            if not saved_tree:
+                raise ValueError("the state item has no metadata (state/_METADATA is missing or empty)")
+            saved = leaf_paths(saved_tree)
         except Exception as e:
             raise self._corrupt(step, e) from None
-        saved = leaf_paths(saved_tree)
-        wanted = {p: v for p, v in leaf_paths(target).items() if hasattr(v, "shape")}
-        missing = sorted(set(wanted) - set(saved))
-        extra = sorted(set(saved) - set(wanted))
-        shapes = [
-            f"{p}: saved {tuple(saved[p].shape)}, expected {tuple(wanted[p].shape)}"
-            for p in sorted(set(saved) & set(wanted))
-            if tuple(getattr(saved[p], "shape", ())) != tuple(wanted[p].shape)
-        ]
-        if missing or extra or shapes:
-            parts = []
-            if missing:
-                parts.append(f"not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-            if extra:
-                parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-            if shapes:
-                parts.append(
-                    f"shapes differ in {len(shapes)} leaves: {shapes[:8]}{' ...' if len(shapes) > 8 else ''}"
-                )
+        wanted = {p: v for p, v in leaf_paths(storage_target(target)[0]).items() if hasattr(v, "shape")}
+        parts = structure_problems(saved, wanted, items)
+        if parts:
             raise CheckpointMismatchError(
                 f"step {step} in {self.directory} holds another structure than the state restored into; "
                 + "; ".join(parts)
                 + ". Build the model, optimizer and EMA with the config they were saved with."
             )
 
-    def validate(self, step: int | None, target: Any) -> int:
+    def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
         """The step to read (default: the latest), once it exists and matches ``target``'s structure.
 
         Raises:
           NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
         """
         step = self._check_step(step)
-        self.check_structure(step, target)
+        self.check_structure(step, target, items=items)
         return step
 
-    def read(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
+    def _reader(self, max_host_bytes: int | None) -> ocp.CheckpointManager:
+        if max_host_bytes is None:
+            return self.manager
+        if max_host_bytes <= 0:
+            raise CheckpointError(
+                f"max_host_bytes must be a positive number of bytes; got {max_host_bytes!r}."
+            )
+        if max_host_bytes not in self._budgeted:
+            self._budgeted[max_host_bytes] = ocp.CheckpointManager(
+                self.directory, options=self._options, handler_registry=_registry(max_host_bytes)
+            )
+        return self._budgeted[max_host_bytes]
+
+    def read(
+        self, step: int, target: Any, *, partial: bool = False, max_host_bytes: int | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """Reads a :meth:`validate`-d step straight into ``target``'s shardings: ``(states, metadata)``.
 
+        With ``partial``, only the leaves in ``target`` are read. Typed PRNG keys
+        come back as keys. When the checkpoint carries fingerprints (and
+        ``verify`` is on), the restored arrays are checked against them.
+        ``max_host_bytes`` bounds the bytes Orbax holds in host memory for
+        reads in flight at once (its restore byte limiter).
+
         Raises:
-          CheckpointCorruptError: the data cannot be read; nothing live is touched.
+          CheckpointCorruptError: the data cannot be read, or differs from what
+            was saved (the arrays are named); nothing live is touched.
         """
+        stored, keys = storage_target(target)
         try:
-            out = self.manager.restore(
+            out = self._reader(max_host_bytes).restore(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(
-                        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                        stored,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
+                        partial_restore=partial,
                     ),
                     meta=ocp.args.JsonRestore(),
                 ),
             )
         except Exception as e:
             raise self._corrupt(step, e) from None
-        return out["state"], dict(out["meta"])
+        states, meta = out["state"], dict(out["meta"])
+        if self.verify and "fingerprints" in meta:
+            self._verify(step, states, meta["fingerprints"])
+        return restore_keys(states, meta.get("prng_keys", {}), keys), meta
 
-    def restore(self, step: int | None, target: Any) -> tuple[int, Any, dict[str, Any]]:
+    def _verify(self, step: int, states: Any, saved: dict[str, str]) -> None:
+        start = time.perf_counter()
+        got = tree_fingerprints(states)
+        differ = sorted(p for p, fp in got.items() if p in saved and saved[p] != fp)
+        logger.info("verified %d arrays of step %d in %.3f s", len(got), step, time.perf_counter() - start)
+        if differ:
+            for x in jax.tree.leaves(states):  # drop what was read; nothing live holds it
+                if isinstance(x, jax.Array):
+                    x.delete()
+            listed = f"{differ[:8]}{' ...' if len(differ) > 8 else ''}"
+            raise self._corrupted(
+                step, f"the content of {len(differ)} arrays differs from what was saved: {listed}"
+            )
+
+    def _corrupted(self, step: int, what: str) -> CheckpointCorruptError:
+        others = [s for s in self.all_steps() if s != step]
+        return CheckpointCorruptError(
+            f"step {step} in {self.directory} could not be read ({what}); it is incomplete or "
+            f"corrupted. Nothing live was changed. Other steps: {others}."
+        )
+
+    def restore(
+        self, step: int | None, target: Any, *, items: Sequence[str] | None = None
+    ) -> tuple[int, Any, dict[str, Any]]:
         """Validates and reads ``step`` (default: the latest) straight into ``target``'s shardings.
 
         Args:
           step: the step, or None for the latest.
           target: :func:`abstract_target` output: abstract arrays with shardings.
+          items: restore only these top-level items (``target`` holds just them).
 
         Returns:
           ``(step, states, metadata)``; nothing live is touched.
@@ -378,22 +386,21 @@ class Checkpointer:
         Raises:
           NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
         """
-        step = self.validate(step, target)
-        states, meta = self.read(step, target)
+        step = self.validate(step, target, items=items)
+        states, meta = self.read(step, target, partial=items is not None)
         return step, states, meta
 
     def _corrupt(self, step: int, error: Exception) -> CheckpointCorruptError:
-        others = [s for s in self.all_steps() if s != step]
         detail = str(error).splitlines()[0][:300] if str(error) else ""
-        return CheckpointCorruptError(
-            f"step {step} in {self.directory} could not be read ({type(error).__name__}: {detail}); "
-            f"it is incomplete or corrupted. Nothing live was changed. Other steps: {others}."
-        )
+        return self._corrupted(step, f"{type(error).__name__}: {detail}")
 
     def close(self) -> None:
         """Waits for a background save and releases Orbax's resources (idempotent)."""
+        for reader in self._budgeted.values():
+            reader.close()
+        self._budgeted.clear()
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            self.wait_until_finished()
             self._manager.close()
             self._manager = None
         self._closed = True

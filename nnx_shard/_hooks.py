@@ -10,7 +10,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._checkpoint import Checkpointer, RestoreReport, abstract_target
+from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._checkpoint_format import RestoreReport, abstract_target
 from nnx_shard._errors import CheckpointError, LifecycleError
 from nnx_shard._inference import plan_sharding
 from nnx_shard._mesh import describe_mesh
@@ -213,7 +214,14 @@ class ShardingHooks:
         barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
 
     def restore_and_reshard(
-        self, checkpointer: Checkpointer, *, step: int | None = None, free_live: bool = False
+        self,
+        checkpointer: Checkpointer,
+        *,
+        step: int | None = None,
+        items: Sequence[str] | None = None,
+        ema_as_model: bool = False,
+        free_live: bool = False,
+        max_host_bytes: int | None = None,
     ) -> RestoreReport:
         """Restores ``step`` (default: the latest) from ``checkpointer`` onto the current devices.
 
@@ -221,33 +229,72 @@ class ShardingHooks:
         mesh, whatever the device and process counts were at save time. A
         restore that fails leaves the live objects as they were, unless
         ``free_live`` asked to free them first (to keep the peak low).
+
+        Args:
+          checkpointer: where to read.
+          step: the step (default: the latest).
+          items: restore only these objects (default: all the hooks own); the
+            checkpoint's other items are not read. Within an item the structure
+            must match exactly.
+          ema_as_model: load the checkpoint's EMA parameters into the model's
+            parameters (the model's other state, such as batch statistics and
+            RNG counters, from the checkpoint's model); the EMA object itself
+            is not restored.
+          free_live: free the live arrays being restored before the read, so the
+            restored state is never resident beside them.
+          max_host_bytes: bound the host memory the read holds at once (Orbax's
+            restore byte limiter); with ``free_live`` the peak stays near the
+            state's own size.
         """
         self._require("live objects to restore into")
+        names = list(self._objects) if items is None else list(items)
+        unknown = sorted(set(names) - set(self._objects))
+        if unknown:
+            raise CheckpointError(
+                f"items {unknown} are not among the objects {sorted(self._objects)}; restore some of those."
+            )
+        if ema_as_model and "model" not in names:
+            raise CheckpointError(
+                "ema_as_model=True loads EMA parameters into the 'model' object; include 'model' in items."
+            )
+        if ema_as_model:
+            names = [n for n in names if n != "ema"]
         states = self.states()
-        target = abstract_target(states, self.shardings)
-        step = checkpointer.validate(step, target)  # before anything live is freed
+        target = {k: abstract_target(states[k], self.shardings[k]) for k in names}
+        expected = dict(target)
+        if ema_as_model:  # read the model's parameters from the EMA, its other state from the model
+            params, rest = nnx.split_state(target["model"], nnx.Param, ...)
+            target["model"] = rest
+            target["ema"] = expected["ema"] = nnx.State({"params": params})
+        step = checkpointer.validate(step, expected, items=sorted(expected))  # before anything live is freed
         if free_live:
             checkpointer.metadata(step)  # readable, before anything live is freed
-            for x in jax.tree.leaves(states):
+            for x in jax.tree.leaves({k: states[k] for k in names}):
                 if isinstance(x, jax.Array):
                     x.delete()
         try:
-            restored, saved = checkpointer.read(step, target)
+            restored, saved = checkpointer.read(step, target, partial=True, max_host_bytes=max_host_bytes)
         except CheckpointError:
             if free_live:
                 logger.error(
                     "restore of step %s failed after the live state was freed (free_live=True)", step
                 )
             raise
-        _check_placed(restored, self.shardings)
+        restored = dict(restored)
+        if ema_as_model:
+            restored["model"] = nnx.merge_state(restored["model"], restored.pop("ema")["params"])
+        _check_placed(restored, {k: self.shardings[k] for k in restored})
         self.update(restored)  # Orbax's arrays own their buffers: donatable (tested)
         barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)
+        partial = sorted(restored) != checkpointer.items(step) or ema_as_model
         report = RestoreReport(
             step=step,
             saved=saved,
             devices=int(self._mesh.devices.size),
             processes=jax.process_count(),
             mesh=describe_mesh(self._mesh),
+            items=tuple(sorted(restored)) if partial else None,
+            ema_as_model=ema_as_model,
         )
         logger.info("%s", report)
         return report
@@ -292,7 +339,9 @@ def restore_and_reshard(
     *,
     step: int | None = None,
     state: Mapping[str, Any] | None = None,
+    ema_as_model: bool = False,
     free_live: bool = False,
+    max_host_bytes: int | None = None,
 ) -> RestoreReport | None:
     """Restores a checkpoint (or a state already loaded with Orbax) onto the current mesh.
 
@@ -306,7 +355,13 @@ def restore_and_reshard(
       mesh: the current mesh.
       step: the step to restore (default: the latest).
       state: a state already loaded (any mesh, host or numpy) to place instead of reading.
+      ema_as_model: load the checkpoint's EMA parameters into ``objects["model"]``.
       free_live: free the live arrays before reading, to keep the peak low.
+      max_host_bytes: bound the host memory the read holds at once.
+
+    Only the items given in ``objects`` are read: ``{"model": model}`` restores
+    the model of a checkpoint that also holds an optimizer and an EMA, and
+    reads nothing else. Within an item the structure must match exactly.
 
     Returns:
       What happened, e.g. ``restored step 300, saved on 8 devices (fsdp=8), onto 4
@@ -331,6 +386,8 @@ def restore_and_reshard(
         return None
     if not isinstance(checkpointer, Checkpointer):
         checkpointer = Checkpointer(checkpointer)
-    report = hooks.restore_and_reshard(checkpointer, step=step, free_live=free_live)
+    report = hooks.restore_and_reshard(
+        checkpointer, step=step, ema_as_model=ema_as_model, free_live=free_live, max_host_bytes=max_host_bytes
+    )
     _ = hooks.objects
     return report

@@ -227,7 +227,11 @@ def _log_notes(placements: list[LeafPlacement], rules: list[_Rule]) -> None:
         )
         first = next(n for n in ps[0].notes if n.startswith(kind))
         # Leaves left replicated for lack of a divisible dimension or an annotation deserve a look.
-        level = logging.WARNING if "no free dimension" in first or "no sharding annotation" in first else logging.INFO
+        level = (
+            logging.WARNING
+            if "no free dimension" in first or "no sharding annotation" in first
+            else logging.INFO
+        )
         logger.log(
             level,
             "%s: %d leaves %s; first %r %s: %s",

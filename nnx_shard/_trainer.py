@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._checkpoint import Checkpointer, RestoreReport
+from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._checkpoint_format import RestoreReport
 from nnx_shard._errors import ConfigError
 from nnx_shard._hooks import ShardingHooks
 from nnx_shard._mesh import mesh_from_string
@@ -161,7 +162,8 @@ class Trainer:
         return {
             "model": model,
             "optimizer": nnx.Optimizer(model, self.create_optimizer(), wrt=nnx.Param),
-            "ema": nnx.EMA(model, decay=self.config.ema_decay),
+            # The EMA tracks parameters only: RNG keys and counters, batch statistics are not averaged.
+            "ema": nnx.EMA(model, decay=self.config.ema_decay, only=nnx.Param),
         }
 
     def init(self) -> None:
@@ -317,6 +319,7 @@ class Trainer:
             model = nnx.merge(graphdef, model_state)
             if ema_params is not None:
                 nnx.update(model, ema_params)
+            model.eval()  # dropout off, batch norm on its running statistics
             return self.eval_metrics(model, batch)
 
         totals: dict[str, float] = {}
@@ -344,12 +347,21 @@ class Trainer:
             force=force,
         )
 
-    def restore_and_reshard(self, step: int | None = None, *, free_live: bool = False) -> RestoreReport:
-        """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time."""
+    def restore_and_reshard(
+        self, step: int | None = None, *, items: Sequence[str] | None = None, free_live: bool = False
+    ) -> RestoreReport:
+        """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time.
+
+        ``items`` restores only those objects and keeps the others as they are:
+        ``items=("model", "ema")`` to fine-tune from a checkpoint with a new
+        optimizer.
+        """
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
         self.init()
-        report = self.hooks.restore_and_reshard(self.checkpointer, step=step, free_live=free_live)
+        report = self.hooks.restore_and_reshard(
+            self.checkpointer, step=step, items=items, free_live=free_live
+        )
         self.step = report.step
         return report
 

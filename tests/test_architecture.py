@@ -31,6 +31,7 @@ LAYERS = {
     "_multihost": 6,
     "_fingerprint": 6,
     "_reshard": 7,
+    "_checkpoint_format": 7,
     "_checkpoint": 7,
     "_hooks": 8,
     "_trainer": 9,

@@ -470,7 +470,7 @@ def test_stacked_layers_keep_their_layer_axis_whole():
     marked_by_rule = [(".*kernel", "stacked(dim=0)|" + F), (".*", "replicate")]  # unless the strategy says so
     plan = ns.plan_sharding(plain, marked_by_rule, mesh)
     assert plan.leaf("optimizer/opt_state/0/nu/blocks/lin/kernel").spec == P(None, None, "fsdp")
-    with pytest.raises(ns.ShardingConflictError, match="dim 0 of .* is kept whole"):
+    with pytest.raises(ns.ShardingConflictError, match=r"dim 0 of .* is kept whole"):
         ns.infer_sharding(marked, [(".*kernel", "shard_dim(axis='fsdp', dim=0)"), (".*", "replicate")], mesh)
     objects, _ = ns.create_sharded(lambda: build(False), marked_by_rule, mesh)  # and it runs
     y = nnx.jit(lambda m, x: m(x))(objects["model"], jnp.ones((4, 8)))

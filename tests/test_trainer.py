@@ -38,11 +38,11 @@ def reference(tmp_path_factory):
     }
 
 
-def resume_in_subprocess(workdir, devices):
+def resume_in_subprocess(workdir, devices, model="mlp"):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     r = subprocess.run(
-        [sys.executable, "tests/trainer_app.py", workdir, str(devices), "6"],
+        [sys.executable, "tests/trainer_app.py", workdir, str(devices), "6", model],
         cwd=ROOT,
         env=env,
         capture_output=True,

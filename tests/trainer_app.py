@@ -40,6 +40,27 @@ class RegressionTrainer(ns.Trainer):
         return jnp.mean((pred - batch["y"]) ** 2), {"mae": jnp.mean(jnp.abs(pred - batch["y"]))}
 
 
+class DropoutBN(nnx.Module):
+    """The standard NNX pattern: a model holding an RNG stream (dropout) and running statistics."""
+
+    def __init__(self, rngs: nnx.Rngs, width: int = 64):
+        self.l1 = nnx.Linear(8, width, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jax.nn.tanh(self.bn(self.l1(x)))))
+
+
+class DropoutTrainer(RegressionTrainer):
+    def create_model(self, rngs):
+        return DropoutBN(rngs, width=self.config.get("width", 64))
+
+
+TRAINERS = {"mlp": RegressionTrainer, "dropout": DropoutTrainer}
+
+
 def batch_for(step: int, rows: int = 16) -> dict[str, np.ndarray]:
     """The global batch of a step, the same in every run; each process takes its own rows."""
     rng = np.random.default_rng(step)
@@ -81,12 +102,12 @@ def digest(trainer: ns.Trainer) -> str:
     return h.hexdigest()
 
 
-def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: int = 12):
+def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: int = 12, model: str = "mlp"):
     """Worker: restore onto this process's devices, report the restore, digest and later losses."""
-    trainer = RegressionTrainer(config(workdir, mesh, total_steps=until))
+    trainer = TRAINERS[model](config(workdir, mesh, total_steps=until))
     report = trainer.restore_and_reshard(step)
     restored = digest(trainer)
-    kernel = trainer.states["model"]["l2"]["kernel"].get_value()
+    kernel = trainer.states["model"]["l1"]["kernel"].get_value()
     history = trainer.train(batch_for)
     return {
         "report": str(report),
@@ -98,8 +119,11 @@ def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: 
     }
 
 
-if __name__ == "__main__":  # python tests/trainer_app.py WORKDIR DEVICES [STEP]: resume in a fresh process
+if (
+    __name__ == "__main__"
+):  # python tests/trainer_app.py WORKDIR DEVICES [STEP [MODEL]]: resume in a fresh process
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.pop("XLA_FLAGS", None)
     jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
-    print(json.dumps(resume(sys.argv[1], step=int(sys.argv[3]) if len(sys.argv) > 3 else None)))
+    step = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    print(json.dumps(resume(sys.argv[1], step=step, model=sys.argv[4] if len(sys.argv) > 4 else "mlp")))

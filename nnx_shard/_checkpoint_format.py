@@ -1,0 +1,237 @@
+"""What a checkpoint holds and how it is checked: metadata, typed keys as key data, fingerprints, structure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from nnx_shard._fingerprint import fingerprints
+from nnx_shard._mesh import describe_mesh
+from nnx_shard._paths import as_state, flatten_with_paths, is_variable
+
+
+def describe_strategy(strategy: Sequence[tuple[str, Any]] | None) -> list[list[str]] | None:
+    """A JSON-ready copy of a strategy: ``[[regex, tactic text], ...]``."""
+    if strategy is None:
+        return None
+    return [[str(p), t if isinstance(t, str) else str(t)] for p, t in strategy]
+
+
+def mesh_metadata(mesh: Mesh | None) -> dict[str, Any]:
+    """What a checkpoint records about where it was saved."""
+    out: dict[str, Any] = {"devices": jax.device_count(), "processes": jax.process_count()}
+    if mesh is not None:
+        out["mesh_axis_names"] = list(mesh.axis_names)
+        out["mesh_shape"] = [int(s) for s in mesh.devices.shape]
+        out["mesh"] = describe_mesh(mesh)
+    return out
+
+
+def abstract_target(state: Any, shardings: Any) -> Any:
+    """Abstract arrays carrying the target shardings, for Orbax to restore straight into.
+
+    ``state`` may be live or abstract (``nnx.eval_shape``) Modules, States or
+    pytrees; ``shardings`` is :func:`nnx_shard.infer_sharding`'s output for it.
+    Nothing is allocated.
+
+    >>> from nnx_shard import create_mesh, infer_sharding
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 16, rngs=nnx.Rngs(0)))
+    >>> target = abstract_target(model, infer_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh))
+    >>> target["kernel"].get_value().sharding.spec
+    P(None, 'fsdp')
+    """
+    states, _ = as_state(state)
+
+    def one(sharding: Any, leaf: Any) -> Any:
+        value = leaf.get_value() if is_variable(leaf) else leaf
+        if sharding is None or not hasattr(value, "shape"):
+            return leaf
+        sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return leaf.replace(sds) if is_variable(leaf) else sds
+
+    return jax.tree.map(one, shardings, states, is_leaf=lambda x: x is None)
+
+
+def leaf_paths(tree: Any) -> dict[str, Any]:
+    """``path -> value`` for every leaf, in the layout Orbax saves (a Variable's ``/value`` dropped)."""
+    out = {}
+    for path, leaf in flatten_with_paths(tree)[0]:
+        out[path.removesuffix("/value")] = leaf.get_value() if is_variable(leaf) else leaf
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+    """What a restore did: which step, from where, onto what.
+
+    >>> print(RestoreReport(300, {"devices": 8, "mesh": "fsdp=8", "processes": 1}, 4, 1, "fsdp=4"))
+    restored step 300, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"""
+
+    step: int
+    saved: dict[str, Any]
+    devices: int
+    processes: int
+    mesh: str
+    items: tuple[str, ...] | None = None
+    ema_as_model: bool = False
+
+    def __str__(self) -> str:
+        show = self.saved.get("processes", 1) != 1 or self.processes != 1
+        saved = _where(
+            self.saved.get("devices", 0), self.saved.get("mesh", "?"), self.saved.get("processes", 1), show
+        )
+        onto = _where(self.devices, self.mesh, self.processes, show)
+        what = f"step {self.step}"
+        if self.items is not None:
+            extra = "; the EMA parameters as the model" if self.ema_as_model else ""
+            what += f" ({', '.join(self.items)} only{extra})"
+        return f"restored {what}, saved on {saved}, onto {onto}"
+
+
+def _where(devices: int, mesh: str, processes: int, show_processes: bool) -> str:
+    """``8 devices (fsdp=8)``, ``1 device``, ``4 devices (fsdp=4) in 2 processes``."""
+    text = f"{devices} device{'s' if devices != 1 else ''}" + (f" ({mesh})" if devices != 1 else "")
+    if show_processes:
+        text += f" in {processes} process{'es' if processes != 1 else ''}"
+    return text
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _map_leaves(fn: Any, tree: Any) -> Any:
+    """``fn(path, value)`` on every leaf (a Variable's value), keeping Variables and structure."""
+    flat, treedef = flatten_with_paths(tree)
+    out = []
+    for path, leaf in flat:
+        if is_variable(leaf):
+            value = leaf.get_value()
+            new = fn(path, value)
+            out.append(leaf if new is value else leaf.replace(new))
+        else:
+            out.append(fn(path, leaf))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def storable(states: Any) -> tuple[Any, dict[str, str]]:
+    """States with every typed PRNG key replaced by its key data, and ``{path: key impl}`` to undo it.
+
+    >>> tree, keys = storable({"rng": jax.random.key(0)})
+    >>> tree["rng"].dtype, keys
+    (dtype('uint32'), {'rng': 'threefry2x32'})
+    """
+    keys: dict[str, str] = {}
+
+    def one(path: str, value: Any) -> Any:
+        if _is_key(value):
+            keys[path] = str(jax.random.key_impl(value))
+            return jax.random.key_data(value)
+        return value
+
+    return _map_leaves(one, states), keys
+
+
+def storage_target(target: Any) -> tuple[Any, set[str]]:
+    """A restore target whose typed keys are their key data (as stored), and the paths of those keys."""
+    keys: set[str] = set()
+
+    def one(path: str, value: Any) -> Any:
+        if _is_key(value) and isinstance(value, jax.ShapeDtypeStruct):
+            keys.add(path)
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(value.shape, value.dtype))
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=value.sharding)
+        return value
+
+    return _map_leaves(one, target), keys
+
+
+def restore_keys(states: Any, impls: dict[str, str], paths: set[str]) -> Any:
+    """Key data back into typed keys at ``paths`` (the impl recorded at save, else JAX's default)."""
+    default = str(jax.random.key_impl(jax.random.key(0)))
+
+    def one(path: str, value: Any) -> Any:
+        if path in paths:
+            return jax.random.wrap_key_data(value, impl=impls.get(path, default))
+        return value
+
+    return _map_leaves(one, states)
+
+
+def tree_fingerprints(states: Any) -> dict[str, str]:
+    """``{path: fingerprint}`` of every array in ``states`` (keys as their data), computed on the devices."""
+    arrays = {p: v for p, v in leaf_paths(states).items() if isinstance(v, jax.Array)}
+    return dict(zip(arrays, fingerprints(list(arrays.values())), strict=True))
+
+
+def structure_problems(
+    saved: dict[str, Any], wanted: dict[str, Any], items: Sequence[str] | None
+) -> list[str]:
+    """How the saved leaves differ from the wanted ones (within ``items``, when restoring only those)."""
+    if items is not None:
+        saved = {p: v for p, v in saved.items() if p.split("/", 1)[0] in items}
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    shapes = [
+        f"{p}: saved {tuple(saved[p].shape)}, expected {tuple(wanted[p].shape)}"
+        for p in sorted(set(saved) & set(wanted))
+        if tuple(getattr(saved[p], "shape", ())) != tuple(wanted[p].shape)
+    ]
+    parts = []
+    if missing:
+        parts.append(f"not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    if shapes:
+        parts.append(
+            f"shapes differ in {len(shapes)} leaves: {shapes[:8]}{' ...' if len(shapes) > 8 else ''}"
+        )
+    return parts
+
+
+MANIFEST = "nnx_shard_files.json"
+SMALL_FILE_BYTES = 2**20
+
+
+def write_file_manifest(step_dir: Any) -> None:
+    """Records a CRC-32 of each small file a finished step holds (``nnx_shard_files.json``).
+
+    Array content is covered by the fingerprints; this covers the small files
+    (tree nodes, inline values and their copies) that Orbax may keep besides.
+    Only process 0 writes it.
+    """
+    if jax.process_index() != 0 or not step_dir.exists() or (step_dir / MANIFEST).exists():
+        return
+    sums = {}
+    for f in _files(step_dir):
+        if f.name != MANIFEST and f.stat().length <= SMALL_FILE_BYTES:
+            sums[str(f.relative_to(step_dir))] = zlib.crc32(f.read_bytes())
+    (step_dir / MANIFEST).write_text(json.dumps(sums))
+
+
+def _files(folder: Any) -> list[Any]:
+    out = []
+    for entry in sorted(folder.iterdir()):
+        out.extend(_files(entry) if entry.is_dir() else [entry])
+    return out
+
+
+def changed_files(step_dir: Any) -> list[str]:
+    """The small files of a step that differ from its manifest (empty without one)."""
+    manifest = step_dir / MANIFEST
+    if not manifest.exists():
+        return []
+    changed = []
+    for name, crc in json.loads(manifest.read_text()).items():
+        f = step_dir / name
+        if not f.exists() or zlib.crc32(f.read_bytes()) != crc:
+            changed.append(name)
+    return changed
