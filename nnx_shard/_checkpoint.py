@@ -128,6 +128,7 @@ class Checkpointer:
         self.verify = verify
         self._unsealed: list[int] = []  # saved steps whose file manifest is not written yet
         self._budgeted: dict[int, ocp.CheckpointManager] = {}  # readers with a host-memory budget
+        self._saved_items: dict[int, list[str]] = {}  # per step, its top-level items (from its metadata)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_policy(max_to_keep, best_metric, best_mode),
             # best_fn makes Orbax record each step's metrics (it ranks nothing here: the policy does).
@@ -244,10 +245,12 @@ class Checkpointer:
 
     def items(self, step: int) -> list[str]:
         """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
-        try:
-            return sorted(self.manager.metadata(step).item_metadata["state"])
-        except Exception as e:
-            raise self._corrupt(step, e) from None
+        if step not in self._saved_items:
+            try:
+                self._saved_items[step] = sorted(self.manager.metadata(step).item_metadata["state"])
+            except Exception as e:
+                raise self._corrupt(step, e) from None
+        return self._saved_items[step]
 
     def _check_step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -279,6 +282,7 @@ class Checkpointer:
             saved_tree = self.manager.metadata(step).item_metadata["state"]
             if not saved_tree:
                 raise ValueError("the state item has no metadata (state/_METADATA is missing or empty)")
+            self._saved_items[step] = sorted(saved_tree)
             saved = leaf_paths(saved_tree)
         except Exception as e:
             raise self._corrupt(step, e) from None

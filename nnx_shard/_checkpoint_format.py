@@ -156,6 +156,8 @@ def storage_target(target: Any) -> tuple[Any, set[str]]:
 
 def restore_keys(states: Any, impls: dict[str, str], paths: set[str]) -> Any:
     """Key data back into typed keys at ``paths`` (the impl recorded at save, else JAX's default)."""
+    if not paths:
+        return states
     default = str(jax.random.key_impl(jax.random.key(0)))
 
     def one(path: str, value: Any) -> Any:

@@ -1,17 +1,18 @@
 """Content fingerprints of arrays, computed on the devices and independent of the sharding.
 
-A fingerprint is two 32-bit sums over the array's bits, each element weighted
-by an odd function of its global index. Integer sums modulo 2**32 do not
-depend on the order they are added in, so the same array gives the same
-fingerprint however it is sharded, on any number of devices or processes:
-a checkpoint saved on 8 devices verifies on 4, or on 2 processes. Any single
-changed word changes the first sum (an odd weight times a non-zero
-difference is non-zero modulo 2**32); the second, over a mixed copy of the
-bits, makes cancellations between several changed words unlikely.
+A fingerprint is a 32-bit sum over the array's bits, each 32-bit word weighted
+by an odd function of its global position. An integer sum modulo 2**32 does
+not depend on the order it is added in, so the same array gives the same
+fingerprint however it is sharded, on any number of devices or processes: a
+checkpoint saved on 8 devices verifies on 4, or on 2 processes. Any single
+changed word changes it (an odd weight times a non-zero difference is
+non-zero modulo 2**32); several changed words cancel only by a 1 in 2**32
+chance. One pass over the data, memory-bound: about 8 GB/s on a 2-core CPU.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,10 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+# More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
+SMALL_BYTES = 2**20
+CHUNK = 64
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """The array's bits as uint32 words (wider types split, narrower ones widened), same leading shape."""
+    """The array's bits as uint32 words (wider types split, narrower ones widened)."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
@@ -43,35 +47,50 @@ def _one(x: jax.Array) -> jax.Array:
     for dim in reversed(range(w.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, dim) * jnp.uint32(stride % 2**32)
         stride *= w.shape[dim]
-    odd1 = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15) | jnp.uint32(1)
-    odd2 = index * jnp.uint32(0x85EBCA77) + jnp.uint32(0xC2B2AE3D) | jnp.uint32(1)
-    mixed = w ^ (w >> jnp.uint32(15)) ^ (w << jnp.uint32(7))
-    return jnp.stack([jnp.sum(w * odd1, dtype=jnp.uint32), jnp.sum(mixed * odd2, dtype=jnp.uint32)])
+    weight = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15) | jnp.uint32(1)
+    return jnp.sum(w * weight, dtype=jnp.uint32)
 
 
-@jax.jit
-def _all(arrays: list[jax.Array]) -> jax.Array:
-    return jnp.stack([_one(x) for x in arrays]) if arrays else jnp.zeros((0, 2), jnp.uint32)
+@functools.cache
+def _program(n: int) -> Any:
+    return jax.jit(lambda arrays: jnp.stack([_one(x) for x in arrays]))
+
+
+def _host(sums: jax.Array) -> np.ndarray:
+    if not sums.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        sums = multihost_utils.process_allgather(sums, tiled=True)
+    return np.asarray(sums)  # also waits: one collective program runs at a time
+
+
+def _signature(x: jax.Array) -> Any:
+    return (x.shape, x.dtype, x.sharding)
 
 
 def fingerprints(arrays: Sequence[Any]) -> list[str]:
-    """One 16-hex-digit fingerprint per array, computed on the arrays' own devices in one program.
+    """One 8-hex-digit fingerprint per array, computed on the arrays' own devices.
+
+    Arrays of one shape, dtype and sharding share a compiled program, one call
+    per array, or per 64 arrays when more than 64 small ones share it (a deep
+    model). Calls run one after the other (XLA's CPU collectives must not
+    interleave).
 
     >>> a = jnp.arange(8.0)
     >>> fingerprints([a]) == fingerprints([a + 0]), fingerprints([a]) == fingerprints([a.at[3].set(-1.0)])
     (True, False)
     """
     arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
-    groups: dict[frozenset[Any], list[int]] = {}
-    for i, x in enumerate(arrays):  # one program per device set (jit needs one)
-        groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(_signature(x), []).append(i)
     out = [""] * len(arrays)
     for members in groups.values():
-        sums = _all([arrays[i] for i in members])
-        if not sums.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            sums = multihost_utils.process_allgather(sums, tiled=True)
-        for i, (a, b) in zip(members, np.asarray(sums), strict=True):
-            out[i] = f"{int(a):08x}{int(b):08x}"
+        first = arrays[members[0]]
+        step = CHUNK if first.nbytes <= SMALL_BYTES and len(members) > CHUNK else 1
+        for k in range(0, len(members), step):
+            chunk = members[k : k + step]
+            sums = _host(_program(len(chunk))([arrays[i] for i in chunk]))
+            for i, value in zip(chunk, sums, strict=True):
+                out[i] = f"{int(value):08x}"
     return out
