@@ -15,14 +15,7 @@ from nnx_shard._errors import ReshardError
 from nnx_shard._paths import flatten_with_paths
 from nnx_shard._reshard import _collective
 from nnx_shard._reshard._blocks import Block, block_of_shard, blocks, holder, relative
-from nnx_shard._reshard._planner import (
-    WINDOW_BYTES,
-    ReshardPlan,
-    Route,
-    plan_leaf,
-    schedule_jobs,
-    windows,
-)
+from nnx_shard._reshard._planner import ReshardPlan, Route, plan_leaf, schedule_jobs
 
 
 def _is_key(x: Any) -> bool:
@@ -78,13 +71,12 @@ def _prepare(
     return (pairs, treedef), idx, paths, xs, ts, impls
 
 
-def _plan(paths: Sequence[str], xs: Sequence[Any], ts: Sequence[Sharding], window_bytes: int) -> ReshardPlan:
+def _plan(paths: Sequence[str], xs: Sequence[Any], ts: Sequence[Sharding]) -> ReshardPlan:
     leaves = [plan_leaf(p, x, t) for p, x, t in zip(paths, xs, ts, strict=True)]
-    jobs = schedule_jobs(leaves, xs, ts)
-    return ReshardPlan(leaves, jobs, windows(jobs, window_bytes))
+    return ReshardPlan(leaves, schedule_jobs(leaves, xs, ts))
 
 
-def plan_reshard(tree: Any, target_shardings: Any, *, window_bytes: int = WINDOW_BYTES) -> ReshardPlan:
+def plan_reshard(tree: Any, target_shardings: Any) -> ReshardPlan:
     """The steps :func:`reshard` will take per leaf, with bytes moved, the ideal and the peak per device.
 
     Planning compiles the collective programs the reshard will run (cached), so
@@ -99,7 +91,7 @@ def plan_reshard(tree: Any, target_shardings: Any, *, window_bytes: int = WINDOW
     ('collective', True)
     """
     _, _, paths, xs, ts, _ = _prepare(tree, target_shardings)
-    return _plan(paths, xs, ts, window_bytes)
+    return _plan(paths, xs, ts)
 
 
 def _host(x: Any, target: Sharding) -> jax.Array:
@@ -158,9 +150,7 @@ def _pieces(x: jax.Array, target: Sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, target, out)
 
 
-def reshard(
-    tree: Any, target_shardings: Any, *, donate: bool = False, window_bytes: int = WINDOW_BYTES
-) -> Any:
+def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
     """Moves every array of ``tree`` onto ``target_shardings`` without gathering or touching the host.
 
     Works on pytrees and ``nnx.State``; ``target_shardings`` may be one
@@ -169,16 +159,15 @@ def reshard(
     program over its source and target devices that sends each missing piece
     once (small leaves of one signature share a program); results are bitwise
     equal to the input, on exactly the target sharding, and own their buffers,
-    so a jitted step can donate them. Work runs in windows of at most
-    ``window_bytes`` per device; with ``donate``, each window's inputs are freed
-    before the next window starts.
+    so a jitted step can donate them. Steps run one at a time; with
+    ``donate``, each step's inputs are freed before the next step starts, so
+    the state is never resident twice.
 
     Args:
       tree: the arrays (jax arrays on any devices, or host data, which is
         placed from the host as the plan says).
       target_shardings: where they go.
       donate: give up the input arrays (deleted once moved).
-      window_bytes: the most bytes per device one window of steps may hold.
 
     Returns:
       ``tree`` with every array on its target sharding.
@@ -191,37 +180,30 @@ def reshard(
     (True, True)
     """
     (pairs, treedef), idx, paths, xs, ts, impls = _prepare(tree, target_shardings)
-    plan = _plan(paths, xs, ts, window_bytes)
+    plan = _plan(paths, xs, ts)
     results: list[Any] = list(xs)
     fills: dict[Any, dict[Any, jax.Array]] = {}
-    for window in plan.windows:
-        done = []
-        for j in window:
-            job = plan.jobs[j]
-            if job.route is Route.COLLECTIVE:
-                first = xs[job.leaves[0]]
-                schedule = _collective.build_schedule(tuple(first.shape), first.sharding, ts[job.leaves[0]])
-                outside = tuple(d for d in schedule.union if d not in first.sharding.device_set)
-                key = (schedule.src_block, first.dtype, outside)
-                if key not in fills:
-                    fills[key] = _collective.placeholders(schedule.src_block, first.dtype, outside)
-                moved = _collective.run([xs[i] for i in job.leaves], ts[job.leaves[0]], fills[key])
-                for i, y in zip(job.leaves, moved, strict=True):
-                    results[i] = y
-            else:
-                (i,) = job.leaves
-                route, x, t = job.route, xs[i], ts[i]
-                results[i] = (
-                    _keep(x, t)
-                    if route is Route.KEEP
-                    else _host(x, t)
-                    if route is Route.HOST
-                    else _pieces(x, t)
-                )
-            done.extend(job.leaves)
-        jax.block_until_ready([results[i] for i in done])
+    for job in plan.jobs:
+        if job.route is Route.COLLECTIVE:
+            first = xs[job.leaves[0]]
+            schedule = _collective.build_schedule(tuple(first.shape), first.sharding, ts[job.leaves[0]])
+            outside = tuple(d for d in schedule.union if d not in first.sharding.device_set)
+            key = (schedule.src_block, first.dtype, outside)
+            if key not in fills:
+                fills[key] = _collective.placeholders(schedule.src_block, first.dtype, outside)
+            moved = _collective.run([xs[i] for i in job.leaves], ts[job.leaves[0]], fills[key])
+            for i, y in zip(job.leaves, moved, strict=True):
+                results[i] = y
+        else:
+            (i,) = job.leaves
+            route, x, t = job.route, xs[i], ts[i]
+            results[i] = (
+                _keep(x, t) if route is Route.KEEP else _host(x, t) if route is Route.HOST else _pieces(x, t)
+            )
+        # One step at a time: XLA's CPU collectives must not interleave, and the peak stays the plan's.
+        jax.block_until_ready([results[i] for i in job.leaves])
         if donate:
-            for i in done:
+            for i in job.leaves:
                 x = xs[i]
                 if isinstance(x, jax.Array) and results[i] is not x and not _shares_buffers(x, results[i]):
                     x.delete()

@@ -23,9 +23,6 @@ from nnx_shard._specs import itemsize
 # a few dispatches, not one per leaf.
 STACK_BYTES = 2**20
 STACK = 64
-# Programs run in windows of at most this many bytes per device; each window is
-# waited for (and its donated inputs freed) before the next one starts.
-WINDOW_BYTES = 256 * 2**20
 
 
 class Route(enum.StrEnum):
@@ -108,7 +105,6 @@ class ReshardPlan:
 
     leaves: list[LeafReshard]
     jobs: list[Job] = dataclasses.field(default_factory=list, repr=False)
-    windows: list[list[int]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def bytes_moved(self) -> int:
@@ -120,8 +116,8 @@ class ReshardPlan:
 
     @property
     def peak_bytes_per_device(self) -> int:
-        """The most the steps of one window hold on a device at once (windows run one at a time)."""
-        return max((sum(self.jobs[j].peak for j in w) for w in self.windows), default=0)
+        """The most one step holds on a device (steps run one at a time, each waited for)."""
+        return max((job.peak for job in self.jobs), default=0)
 
     @property
     def through_host(self) -> bool:
@@ -268,16 +264,3 @@ def schedule_jobs(leaves: list[LeafReshard], inputs: Sequence[Any], targets: Seq
                 leaves[i] = dataclasses.replace(leaves[i], peak_bytes_per_device=peak, stacked=k)
             jobs.append(Job(Route.COLLECTIVE, chunk, peak))
     return jobs
-
-
-def windows(jobs: Sequence[Job], budget: int = WINDOW_BYTES) -> list[list[int]]:
-    """Consecutive jobs whose peaks add up to at most ``budget`` per device (a larger job runs alone)."""
-    out: list[list[int]] = []
-    used = budget
-    for j, job in enumerate(jobs):
-        if used + job.peak > budget:
-            out.append([])
-            used = 0
-        out[-1].append(j)
-        used += job.peak
-    return out
