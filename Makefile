@@ -13,7 +13,7 @@ LATEST_STAMP := $(LATEST)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,examples]"
+	$(PY) -m pip install -q -e ".[test,examples,data]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,7 +31,7 @@ $(LATEST_STAMP): pyproject.toml
 	@test -n "$(LATEST_PYTHON)" || (echo "no Python 3.12+ found under pyenv; set LATEST_PYTHON=/path/to/python3.12+" && exit 1)
 	test -x $(LATEST)/bin/python || $(LATEST_PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q --upgrade -e ".[test,examples]" jax jaxlib flax optax orbax-checkpoint
+	$(LATEST)/bin/python -m pip install -q --upgrade -e ".[test,examples,data]" jax jaxlib flax optax orbax-checkpoint
 	touch $(LATEST_STAMP)
 
 test-latest: $(LATEST_STAMP)

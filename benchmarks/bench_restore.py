@@ -91,7 +91,9 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
                 is_leaf=lambda x: isinstance(x, nnx.Variable),
             )
         mgr = ocp.CheckpointManager(directory)
-        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        args = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+        )
         states = mgr.restore(1, args=ocp.args.Composite(state=args))["state"]
         if variant == "seed":
             host = jax.device_get(states)
@@ -174,11 +176,15 @@ def main() -> None:
         "runs": runs,
         "time_ratio_vs_orbax": round(ours["seconds"] / orbax["seconds"], 3),
         "time_ratio_vs_seed": round(ours["seconds"] / runs["seed"]["seconds"], 3),
-        "budget_time_ratio_vs_orbax": round(runs["nnx_shard (128 MiB budget)"]["seconds"] / orbax["seconds"], 3),
+        "budget_time_ratio_vs_orbax": round(
+            runs["nnx_shard (128 MiB budget)"]["seconds"] / orbax["seconds"], 3
+        ),
         "verification_share_of_restore": round(
             runs["nnx_shard (no verify)"]["verify_s"] / runs["nnx_shard (no verify)"]["seconds"], 3
         ),
-        "verified_over_unverified_restore": round(ours["seconds"] / runs["nnx_shard (no verify)"]["seconds"], 3),
+        "verified_over_unverified_restore": round(
+            ours["seconds"] / runs["nnx_shard (no verify)"]["seconds"], 3
+        ),
         "save": {k: v for k, v in saved.items() if k != "state_bytes"},
         "peak_rss_over_state": {k: round(v["peak_rss_growth_bytes"] / state, 2) for k, v in runs.items()},
         "targets": {

@@ -59,3 +59,24 @@ def param_count(model: nnx.Module) -> int:
 
 
 __all__ = ["MLP", "Llama", "jnp", "llama", "mlp", "param_count"]
+
+
+def optimizer():
+    """An optimizer factory for ``nnx-shard plan --optimizer examples.toy_models:optimizer``."""
+    import optax
+
+    return optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), every_k_schedule=4
+    )
+
+
+def train_state(*, rngs: nnx.Rngs, **kwargs: int) -> dict:
+    """The whole state of a run, as its training script builds it: model, optimizer (lion) and EMA."""
+    import optax
+
+    model = MLP(rngs=rngs, **kwargs)
+    return {
+        "model": model,
+        "optimizer": nnx.Optimizer(model, optax.lion(1e-4), wrt=nnx.Param),
+        "ema": nnx.EMA(model, decay=0.999, only=nnx.Param),
+    }

@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "model",
         nargs="?",
-        help="factory as package.module:function (takes rngs=... if it has that parameter)",
+        help="factory as package.module:function (takes rngs=... if it has that parameter); it may return "
+        "the model, or the whole {'model', 'optimizer', 'ema'} state of your run",
     )
     plan.add_argument("--config", help="a .toml or .json file with model, mesh, strategy, ...")
     plan.add_argument("--mesh", help="mesh as 'fsdp:8' or 'dp:2,tp:4' (names from the string)")
@@ -49,8 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--optimizer",
         default=None,
-        choices=["adamw", "adam", "sgd", "none"],
-        help="optimizer state to include (default adamw)",
+        help="adamw, adam, sgd, none, or package.module:factory returning your optax transform (default adamw)",
     )
     plan.add_argument(
         "--ema", type=float, default=None, help="EMA decay; 0 to leave the EMA out (default 0.999)"
@@ -93,19 +93,48 @@ def _json_arg(text: str | None, what: str) -> Any:
         raise CLIError(f"--{what} is not valid JSON ({e}); got {text!r}.") from None
 
 
-def _import_factory(spec: str) -> Any:
+def _import_factory(spec: str, what: str = "model") -> Any:
     if ":" not in spec:
-        raise CLIError(f"model {spec!r}: expected package.module:factory, e.g. examples.toy_models:llama.")
+        raise CLIError(f"{what} {spec!r}: expected package.module:factory, e.g. examples.toy_models:llama.")
     module_name, attr = spec.split(":", 1)
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise CLIError(f"cannot import {module_name!r} for model {spec!r}: {e}.") from None
+        raise CLIError(f"cannot import {module_name!r} for {what} {spec!r}: {e}.") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise CLIError(f"{module_name!r} has no callable {attr!r}.")
     return factory
+
+
+def _optimizer(name: str) -> Any:
+    """The optax transform a ``--optimizer`` names: a built-in name or ``package.module:factory``."""
+    import optax
+
+    builtin = {
+        "adamw": lambda: optax.adamw(1e-3),
+        "adam": lambda: optax.adam(1e-3),
+        "sgd": lambda: optax.sgd(1e-3, momentum=0.9),
+    }
+    if name == "none":
+        return None
+    if name in builtin:
+        return builtin[name]()
+    if ":" not in name:
+        raise CLIError(f"--optimizer {name!r}: use adamw, adam, sgd, none, or package.module:factory.")
+    factory = _import_factory(name, "optimizer")
+    try:
+        tx = factory()
+    except TypeError as e:
+        raise CLIError(
+            f"--optimizer {name!r}: the factory must take no arguments and return an optax transform ({e})."
+        ) from None
+    if not hasattr(tx, "init") or not hasattr(tx, "update"):
+        raise CLIError(
+            f"--optimizer {name!r} returned {type(tx).__name__}, not an optax GradientTransformation."
+        )
+    return tx
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -115,6 +144,10 @@ def run_plan(args: argparse.Namespace) -> int:
     strategy = _json_arg(args.strategy, "strategy")
     strategy = cfg.get("strategy") if strategy is None else strategy
     kwargs = _json_arg(args.model_kwargs, "model-kwargs") or cfg.get("model_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise CLIError(
+            f'--model-kwargs is a JSON object of keyword arguments, e.g. \'{{"size": "tiny"}}\'; got {kwargs!r}.'
+        )
     optimizer = args.optimizer or cfg.get("optimizer", "adamw")
     ema = args.ema if args.ema is not None else cfg.get("ema", 0.999)
     devices = args.devices or cfg.get("devices")
@@ -130,7 +163,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", int(devices))
-    import optax
     from flax import nnx
 
     from nnx_shard._inference import plan_sharding
@@ -140,22 +172,39 @@ def run_plan(args: argparse.Namespace) -> int:
     factory = _import_factory(model_spec)
     timings["import and mesh"] = time.perf_counter() - t0
 
-    takes_rngs = "rngs" in inspect.signature(factory).parameters
-    tx = {"adamw": optax.adamw(1e-3), "adam": optax.adam(1e-3), "sgd": optax.sgd(1e-3, momentum=0.9)}.get(
-        optimizer
-    )
+    parameters = inspect.signature(factory).parameters
+    takes_rngs = "rngs" in parameters
+    unknown = [
+        k
+        for k in kwargs
+        if k not in parameters and not any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    ]
+    if unknown:
+        raise CLIError(
+            f"--model-kwargs {unknown} are not parameters of {model_spec}; it takes {sorted(p for p in parameters if p != 'rngs')}."
+        )
+    tx = _optimizer(optimizer)
 
     def build() -> dict[str, Any]:
-        model = factory(rngs=nnx.Rngs(0), **kwargs) if takes_rngs else factory(**kwargs)
-        out: dict[str, Any] = {"model": model}
+        made = factory(rngs=nnx.Rngs(0), **kwargs) if takes_rngs else factory(**kwargs)
+        if isinstance(made, dict):  # the whole state of the user's run, as it builds it
+            return made
+        out: dict[str, Any] = {"model": made}
         if tx is not None:
-            out["optimizer"] = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            out["optimizer"] = nnx.Optimizer(made, tx, wrt=nnx.Param)
         if ema:
-            out["ema"] = nnx.EMA(model, decay=ema)
+            out["ema"] = nnx.EMA(made, decay=ema, only=nnx.Param)
         return out
 
     t = time.perf_counter()
-    objects = nnx.eval_shape(build)
+    try:
+        objects = nnx.eval_shape(build)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, NnxShardError):
+            raise
+        raise CLIError(
+            f"building {model_spec} with --model-kwargs {kwargs} failed: {type(e).__name__}: {e}"
+        ) from None
     timings["abstract state (nnx.eval_shape)"] = time.perf_counter() - t
     t = time.perf_counter()
     plan = plan_sharding(objects, strategy, mesh, strict=not args.non_strict)

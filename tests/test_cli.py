@@ -90,3 +90,52 @@ def test_plan_errors_are_clear(tmp_path):
         "not valid JSON"
         in cli("plan", "examples.toy_models:mlp", "--mesh", "fsdp:1", "--strategy", "[(x)]").stderr
     )
+
+
+def test_plan_with_the_users_own_optimizer_and_whole_state(tmp_path):
+    common = [
+        "--devices",
+        "4",
+        "--mesh",
+        "fsdp:4",
+        "--strategy",
+        '[[".*", "fsdp(axis=\'fsdp\', min_size_to_shard_mb=0)"]]',
+        "--json",
+    ]
+    r = cli("plan", "examples.toy_models:mlp", "--optimizer", "examples.toy_models:optimizer", *common)
+    assert r.returncode == 0, r.stderr
+    leaves = {leaf["path"]: leaf for leaf in json.loads(r.stdout)["leaves"]}
+    # MultiSteps accumulators are sharded like the parameters they mirror
+    assert leaves["optimizer/opt_state/acc_grads/head/kernel"]["spec"] == leaves["model/head/kernel"]["spec"]
+    r = cli("plan", "examples.toy_models:train_state", "--model-kwargs", '{"width": 64}', *common)
+    assert r.returncode == 0, r.stderr
+    paths = [leaf["path"] for leaf in json.loads(r.stdout)["leaves"]]
+    assert "optimizer/opt_state/0/mu/head/kernel" in paths  # lion's state: the paths of the real run
+    assert "ema/params/head/kernel" in paths and not any(
+        p.startswith("ema/params/") and "rngs" in p for p in paths
+    )
+
+
+def test_bad_model_kwargs_and_optimizers_are_clear_errors():
+    base = [
+        "plan",
+        "examples.toy_models:mlp",
+        "--devices",
+        "4",
+        "--mesh",
+        "fsdp:4",
+        "--strategy",
+        '[[".*", "replicate"]]',
+    ]
+    r = cli(*base, "--model-kwargs", '{"widht": 64}')
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "building examples.toy_models:mlp with --model-kwargs {'widht': 64} failed" in r.stderr
+    assert "unexpected keyword argument 'widht'" in r.stderr
+    r = cli(*base[:1], "examples.toy_models:llama", *base[2:], "--model-kwargs", '{"sise": "tiny"}')
+    assert "--model-kwargs ['sise'] are not parameters of examples.toy_models:llama" in r.stderr
+    r = cli(*base, "--model-kwargs", "[64]")
+    assert r.returncode == 2 and "is a JSON object of keyword arguments" in r.stderr
+    r = cli(*base, "--optimizer", "lion")
+    assert r.returncode == 2 and "use adamw, adam, sgd, none, or package.module:factory" in r.stderr
+    r = cli(*base, "--optimizer", "examples.toy_models:mlp")
+    assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -98,7 +98,8 @@ def test_flipped_bytes_are_found_and_nothing_live_changes(dropout_run, tmp_path,
         trainer.init()
         before = digest(trainer)
         with pytest.raises(
-            ns.CheckpointCorruptError, match=r"step 12 .* could not be read \(.* differs? from .* Other steps: \[6\]"
+            ns.CheckpointCorruptError,
+            match=r"step 12 .* could not be read \(.* differs? from .* Other steps: \[6\]",
         ) as e:
             trainer.restore_and_reshard(12)
         assert str(name) in str(e.value) or "arrays differs" in str(e.value)
@@ -143,9 +144,7 @@ def test_a_deleted_metadata_file_is_corruption_not_a_mismatch(dropout_run, tmp_p
     if not manifest:  # as after a save whose process died before recording its files
         (step / "nnx_shard_files.json").unlink()
     trainer = DropoutTrainer(config(str(workdir)))
-    with pytest.raises(
-        ns.CheckpointCorruptError, match=r"step 12 .* could not be read.*_METADATA"
-    ) as e:
+    with pytest.raises(ns.CheckpointCorruptError, match=r"step 12 .* could not be read.*_METADATA") as e:
         trainer.restore_and_reshard(12)
     assert "Build the model" not in str(e.value)  # not the advice for a mismatch
     assert "restored step 6" in str(trainer.restore_and_reshard(6))

@@ -29,8 +29,14 @@ class MLP(nnx.Module):
 
 
 class RegressionTrainer(ns.Trainer):
+    @classmethod
+    def default_config(cls):
+        c = super().default_config()
+        c.width = 64
+        return c
+
     def create_model(self, rngs):
-        return MLP(rngs, width=self.config.get("width", 64))
+        return MLP(rngs, width=self.config.width)
 
     def create_optimizer(self):
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
@@ -55,7 +61,7 @@ class DropoutBN(nnx.Module):
 
 class DropoutTrainer(RegressionTrainer):
     def create_model(self, rngs):
-        return DropoutBN(rngs, width=self.config.get("width", 64))
+        return DropoutBN(rngs, width=self.config.width)
 
 
 TRAINERS = {"mlp": RegressionTrainer, "dropout": DropoutTrainer}

@@ -32,11 +32,13 @@ TENSOR_PARALLEL = [
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
-    """``arg`` is a size (tiny, ti16, s16, b16, l16, h14), ``_tp`` for tensor parallel, ``,synthetic`` for fake data.
+    """``arg`` is a size (tiny, ti16, s16, b16, l16, h14), ``_tp`` for tensor parallel, ``,synthetic`` for
+    fake data, ``,bf16`` / ``,f32`` for the compute dtype (parameters stay float32; the ViT-B and larger
+    sizes compute in bfloat16 by default).
 
     >>> cfg = get_config("b16_tp,synthetic")
-    >>> cfg.model.width, cfg.mesh, cfg.data.name, cfg.data.image_size
-    (768, 'fsdp:-1,tp:2', 'synthetic', 224)
+    >>> cfg.model.width, cfg.mesh, cfg.data.name, cfg.data.image_size, cfg.model.dtype
+    (768, 'fsdp:-1,tp:2', 'synthetic', 224, 'bfloat16')
     """
     parts = [p.strip() for p in arg.split(",") if p.strip()]
     size = parts[0] if parts else "tiny"
@@ -59,12 +61,14 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
             augment=not synthetic,
         )
     )
+    bf16 = "bf16" in parts[1:] or (size not in ("tiny", "ti16", "s16") and "f32" not in parts[1:])
     cfg.model = ml_collections.ConfigDict(
         dict(
             SIZES[size],
             image_size=cfg.data.image_size,
             channels=cfg.data.channels,
             num_classes=cfg.data.num_classes,
+            dtype="bfloat16" if bf16 else "float32",  # compute; parameters are float32 either way
         )
     )
     cfg.mesh = "fsdp:-1,tp:2" if tp else "fsdp:-1"
@@ -76,6 +80,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         ]
     cfg.sharding_strategy = strategy
     cfg.weight_decay = 1e-4
+    cfg.accumulate = 1  # > 1: accumulate gradients over this many steps (optax.MultiSteps)
     cfg.learning_rate = 3e-3
     cfg.warmup_steps = 20
     cfg.total_steps = 600

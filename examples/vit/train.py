@@ -47,7 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="jax.distributed.initialize() with no arguments (TPU pods, SLURM)",
     )
-    ap.add_argument("--progress", default=None, choices=["auto", "on", "off"])
+    ap.add_argument("--progress", default=None, choices=["auto", "bar", "lines", "on", "off"])
     return ap.parse_args(argv)
 
 
@@ -75,32 +75,11 @@ def run(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     setup_jax(args)
     import jax
-    import jax.numpy as jnp
-    import optax
 
     import nnx_shard as ns
     from examples.vit import data as vit_data
     from examples.vit.config import get_config
-    from examples.vit.model import ViT
-
-    class ViTTrainer(ns.Trainer):
-        def create_model(self, rngs):
-            return ViT(**self.config.model, rngs=rngs)
-
-        def create_optimizer(self):
-            c = self.config
-            schedule = optax.warmup_cosine_decay_schedule(
-                0.0, c.learning_rate, c.warmup_steps, max(c.total_steps, c.warmup_steps + 1)
-            )
-            return optax.chain(
-                optax.clip_by_global_norm(1.0),
-                optax.adamw(schedule, weight_decay=c.get("weight_decay", 1e-4)),
-            )
-
-        def loss_fn(self, model, batch):
-            logits = model(batch["images"])
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-            return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["labels"])}
+    from examples.vit.trainer import ViTTrainer
 
     cfg = get_config(args.config)
     cfg.workdir = args.workdir

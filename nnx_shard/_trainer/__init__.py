@@ -1,0 +1,5 @@
+"""The Trainer: configuration, the step, observability, data and checkpoints for a training job."""
+
+from nnx_shard._trainer._trainer import Trainer, default_config
+
+__all__ = ["Trainer", "default_config"]

@@ -1,0 +1,164 @@
+"""The training loop: steps, logging a step late, eval, saves, hooks, preemption and why the run ended."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+
+from nnx_shard._trainer import _data
+
+logger = logging.getLogger("nnx_shard")
+
+
+def _install_sigterm(trainer: Any) -> Any:
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+        return None
+    if jax.distributed.is_initialized():
+        return None  # JAX's preemption notifier owns SIGTERM after distributed init
+    trainer._preempted = False
+
+    def handler(signum: int, frame: Any) -> None:
+        trainer._preempted = True
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _preemption_requested(trainer: Any) -> bool:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.reached_preemption_sync_point(trainer.step))
+    return trainer._preempted
+
+
+def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int) -> list[dict[str, float]]:
+    """Runs ``trainer`` from its step to ``end`` on ``batches``; the body of ``Trainer.train``."""
+    trainer.stop_reason, trainer._stop_request = None, None
+    previous = _install_sigterm(trainer)
+    history: list[dict[str, float]] = []
+    trainer.observer.start(trainer.step, end)
+    run = StepLog(trainer, history)
+    start, spent = time.perf_counter(), dict(trainer.timings)
+    try:
+        while trainer.step < end:
+            try:
+                host_batch = batches.next(trainer.step)
+            except StopIteration:
+                trainer.stop_reason = "data exhausted"
+                break
+            batch = trainer.global_batch(host_batch)
+            states, metrics = trainer.compiled_step(batch)(trainer.hooks.states(), batch)
+            trainer.hooks.update(states)
+            trainer.step += 1
+            run.after_dispatch(metrics, _data.examples(batch), _data.tokens(host_batch), end)
+            if _after_step(trainer, run, eval_data):
+                break
+        trainer.stop_reason = trainer.stop_reason or "finished"
+        run.flush()
+        preempted = trainer.stop_reason == "preempted"
+        if trainer.checkpointer is not None and (preempted or trainer.config.save_at_end):
+            if trainer.checkpointer.latest_step() != trainer.step:
+                trainer.save(force=preempted)
+    finally:
+        run.flush()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.wait_until_finished()
+        wall = time.perf_counter() - start
+        overhead = sum(v - spent.get(k, 0.0) for k, v in trainer.timings.items() if k != "train")
+        goodput = round(max(0.0, 1 - overhead / max(wall, 1e-9)), 3)  # the share of wall time in steps
+        last = int(history[-1]["step"]) if history else trainer.step
+        trainer._event("train", wall, last_step=last, stop_reason=trainer.stop_reason, goodput=goodput)
+        trainer.observer.close()
+    return history
+
+
+def _after_step(trainer: Any, run: StepLog, eval_data: Any) -> bool:
+    """Eval, saves, hooks and stop checks after a step; True ends the loop."""
+    step, cfg = trainer.step, trainer.config
+    evaluate = eval_data is not None and cfg.eval_every and step % cfg.eval_every == 0
+    save = cfg.save_every and step % cfg.save_every == 0
+    hooks = [fn for fn, every in trainer._user_hooks if step % every == 0]
+    metrics = run.flush(current=True) if evaluate or save or hooks else None
+    if evaluate:
+        started = time.perf_counter()
+        trainer.last_eval = trainer.evaluate(eval_data())
+        trainer._event("eval", time.perf_counter() - started)
+        trainer.observer.record({"step": step, **trainer.last_eval})
+        metrics = {**(metrics or {}), **trainer.last_eval}
+    if save:
+        trainer.save(metrics=trainer.last_eval if evaluate else None)
+    for fn in hooks:
+        fn(step, dict(metrics or {}), trainer)
+    if _preemption_requested(trainer):
+        logger.warning("preemption requested at step %d: saving and stopping", step)
+        trainer.stop_reason = "preempted"
+        return True
+    if trainer._stop_request is not None:
+        trainer.stop_reason = f"stopped: {trainer._stop_request}"
+        return True
+    return False
+
+
+class StepLog:
+    """One ``train()`` call's records: metrics fetched a step late, so the host never waits on the step in flight."""
+
+    def __init__(self, trainer: Any, history: list[dict[str, float]]):
+        self.trainer, self.history = trainer, history
+        self.pending: tuple[int, Any] | None = None
+        self.current: tuple[int, Any] | None = None
+        self.examples = self.tokens = 0
+        self.has_tokens = False
+        self.since = (time.perf_counter(), trainer.step)
+        self.schedule = trainer.learning_rate_schedule()
+
+    def after_dispatch(self, metrics: Any, examples: int, tokens: int | None, end: int) -> None:
+        t = self.trainer
+        self.examples += examples
+        if tokens is not None:
+            self.tokens, self.has_tokens = self.tokens + tokens * jax.process_count(), True
+        previous, self.pending = self.pending, None
+        if previous is not None:
+            self._log(*previous)
+        self.current = (t.step, metrics)
+        if t.step % max(1, t.config.log_every) == 0 or t.step == end:
+            self.pending = self.current
+
+    def flush(self, current: bool = False) -> dict[str, float] | None:
+        """Logs the step waiting to be logged (with ``current``, the latest step in any case).
+
+        Returns its host metrics (None when none waits).
+        """
+        if (
+            current
+            and self.pending is None
+            and self.current is not None
+            and (not self.history or self.history[-1]["step"] != self.current[0])
+        ):
+            self.pending = self.current
+        previous, self.pending = self.pending, None
+        return self._log(*previous) if previous is not None else None
+
+    def _log(self, step: int, metrics: Any) -> dict[str, float]:
+        host = _data.host_scalars(metrics)
+        now = time.perf_counter()
+        seconds, steps = now - self.since[0], step - self.since[1]
+        record: dict[str, float] = {"step": step, **host}
+        if "learning_rate" not in record and self.schedule is not None:
+            record["learning_rate"] = float(self.schedule(step - 1))
+        if steps > 0 and seconds > 0:
+            record["steps_per_s"] = steps / seconds
+            record["examples_per_s"] = self.examples / seconds
+            if self.has_tokens:
+                record["tokens_per_s"] = self.tokens / seconds
+        self.since, self.examples, self.tokens = (now, step), 0, 0
+        self.history.append(record)
+        self.trainer.observer.record(record)
+        self.trainer.on_log(step, {k: v for k, v in record.items() if k != "step"})
+        return host

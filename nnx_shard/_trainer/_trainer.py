@@ -1,0 +1,400 @@
+"""Trainer: a base class to subclass; hooks, one compiled donated step, checkpoints, observability, resume."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._checkpoint_format import RestoreReport
+from nnx_shard._errors import ConfigError
+from nnx_shard._hooks import ShardingHooks
+from nnx_shard._multihost import data_sharding, host_local_to_global
+from nnx_shard._paths import flatten_with_paths, is_variable
+from nnx_shard._trainer import _data
+from nnx_shard._trainer._config import base_config, compute_mesh, config_mesh, merge_config
+from nnx_shard._trainer._loop import run_training
+from nnx_shard._trainer._observe import Observer
+
+logger = logging.getLogger("nnx_shard")
+
+Hook = Callable[[int, dict[str, float], "Trainer"], Any]
+
+
+def _injected_learning_rate(optimizer: nnx.Optimizer) -> Any:
+    """The learning rate an ``optax.inject_hyperparams`` transform holds in the optimizer state, if any."""
+    for path, leaf in flatten_with_paths(optimizer.opt_state)[0]:
+        if "hyperparams" in path.split("/") and path.endswith("learning_rate"):
+            return leaf.get_value() if is_variable(leaf) else leaf
+    return None
+
+
+class Trainer:
+    """Subclass and give the model, the optax transform and the loss; the rest happens by itself.
+
+    A subclass implements ``create_model(rngs)``, ``create_optimizer()`` and
+    ``loss_fn(model, batch)`` (a scalar loss, or ``(loss, metrics)``), and may
+    override ``train_step``, ``eval_metrics``, ``on_log`` and
+    ``learning_rate_schedule``, declare its own settings in
+    ``default_config()``, and register callbacks with :meth:`add_hook`. The
+    Trainer builds the mesh from ``config.mesh``, creates the model,
+    ``nnx.Optimizer`` and ``nnx.EMA`` (of the parameters; ``ema_decay=None``
+    for none) already sharded by ``config.sharding_strategy``, compiles one
+    step per batch signature with the state donated, turns host-local
+    batches into global ones, saves every ``config.save_every`` steps, at the
+    end and on preemption, resumes with :meth:`restore_and_reshard` onto
+    whatever devices it has, and reports: a progress bar on a terminal, plain
+    lines on stdout otherwise, ``workdir/metrics.jsonl`` and TensorBoard, with
+    compile, save, restore and eval times as events. Accumulate gradients
+    with ``optax.MultiSteps`` in ``create_optimizer`` (its accumulators are
+    sharded like their parameters).
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> class Regression(Trainer):
+    ...     def create_model(self, rngs):
+    ...         return nnx.Linear(4, 1, rngs=rngs)
+    ...     def create_optimizer(self):
+    ...         return optax.sgd(0.1)
+    ...     def loss_fn(self, model, batch):
+    ...         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    >>> trainer = Regression({"total_steps": 5, "progress": "off", "log_every": 1,
+    ...                       "sharding_strategy": [(".*", "replicate")]})
+    >>> x = np.ones((8, 4), np.float32)
+    >>> history = trainer.train(lambda step: {"x": x, "y": x.sum(1, keepdims=True)})
+    >>> len(history), history[-1]["loss"] < history[0]["loss"], trainer.stop_reason
+    (5, True, 'finished')
+    """
+
+    @classmethod
+    def default_config(cls) -> ml_collections.ConfigDict:
+        """The settings and their defaults; a subclass extends them and any other key is refused.
+
+        >>> class Mine(Trainer):
+        ...     @classmethod
+        ...     def default_config(cls):
+        ...         c = super().default_config()
+        ...         c.hidden = 32
+        ...         return c
+        >>> Mine.default_config().hidden, Mine.default_config().save_every
+        (32, 0)
+        """
+        return base_config()
+
+    def __init__(self, config: ml_collections.ConfigDict | dict[str, Any] | None = None):
+        self.config = merge_config(type(self).default_config(), config)
+        self.mesh = config_mesh(self.config.mesh)
+        self.hooks = ShardingHooks(
+            list(self.config.sharding_strategy),
+            compute_mesh(self.mesh),
+            barrier_timeout=self.config.barrier_timeout,
+        )
+        workdir = str(self.config.workdir or "")
+        self.workdir = workdir or None
+        self.checkpointer: Checkpointer | None = None
+        if workdir:
+            self.checkpointer = Checkpointer(
+                workdir.rstrip("/") + "/checkpoints",
+                max_to_keep=self.config.keep,
+                best_metric=self.config.best_metric or None,
+                best_mode=self.config.best_mode,
+                async_save=self.config.async_checkpoint,
+                verify=self.config.verify_checkpoints,
+            )
+        self.observer = Observer(self.workdir, self.config.progress, self.config.tensorboard)
+        self.step = 0
+        self.stop_reason: str | None = None
+        self.last_eval: dict[str, float] = {}
+        self.timings: collections.Counter[str] = collections.Counter()
+        self._graphdefs: dict[str, Any] = {}
+        self._steps: dict[Any, Any] = {}
+        self._first_signature: Any = None
+        self._eval_fn: Any = None
+        self._user_hooks: list[tuple[Hook, int]] = []
+        self._data_states: list[Any] | None = None
+        self._batches: _data.Batches | None = None
+        self._stop_request: str | None = None
+        self._resumed = False
+        self._preempted = False
+
+    # -- what a subclass gives ------------------------------------------------
+
+    def create_model(self, rngs: nnx.Rngs) -> nnx.Module:
+        raise NotImplementedError("a Trainer subclass must define create_model(self, rngs)")
+
+    def create_optimizer(self) -> optax.GradientTransformation:
+        raise NotImplementedError("a Trainer subclass must define create_optimizer(self)")
+
+    def loss_fn(self, model: nnx.Module, batch: Any) -> Any:
+        raise NotImplementedError("a Trainer subclass must define loss_fn(self, model, batch)")
+
+    def train_step(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.EMA | None, batch: Any
+    ) -> dict[str, Any]:
+        """One step, traced under jit: gradients, the update, the EMA; metrics with the global gradient norm."""
+
+        def loss(model: nnx.Module) -> tuple[Any, dict[str, Any]]:
+            out = self.loss_fn(model, batch)
+            return out if isinstance(out, tuple) else (out, {})
+
+        (value, aux), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        optimizer.update(model, grads)
+        if ema is not None:
+            ema.update(model)
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
+        lr = _injected_learning_rate(optimizer)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        return metrics
+
+    def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, Any]:
+        """Metrics of one eval batch (traced under jit, the model in eval mode); default: the loss."""
+        out = self.loss_fn(model, batch)
+        value, aux = out if isinstance(out, tuple) else (out, {})
+        return {"loss": value, **aux}
+
+    def learning_rate_schedule(self) -> Callable[[int], Any] | None:
+        """A schedule ``count -> lr`` to report when the transform does not expose the rate.
+
+        Default: ``config.learning_rate`` when it is callable. (A transform built
+        with ``optax.inject_hyperparams`` reports its own rate.)
+        """
+        lr = self.config.get("learning_rate")
+        return lr if callable(lr) else None
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        """Called with host metrics every ``log_every`` steps; override to add your own logging."""
+
+    def add_hook(self, fn: Hook, *, every: int = 1) -> None:
+        """Runs ``fn(step, metrics, trainer)`` on the host every ``every`` steps (custom logging,
+        samples, early stopping with :meth:`request_stop`)."""
+        if not isinstance(every, int) or every < 1:
+            raise ConfigError(f"add_hook(every=...) takes a whole number of steps >= 1; got {every!r}.")
+        self._user_hooks.append((fn, every))
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Ends ``train()`` after the current step, with a save; ``stop_reason`` says ``stopped: <reason>``."""
+        self._stop_request = reason
+
+    # -- setup ------------------------------------------------------------------
+
+    def _create(self) -> dict[str, Any]:
+        model = self.create_model(nnx.Rngs(self.config.seed))
+        objects = {"model": model, "optimizer": nnx.Optimizer(model, self.create_optimizer(), wrt=nnx.Param)}
+        if self.config.ema_decay is not None:
+            # The EMA tracks parameters only: RNG keys and counters, batch statistics are not averaged.
+            objects["ema"] = nnx.EMA(model, decay=self.config.ema_decay, only=nnx.Param)
+        return objects
+
+    def init(self) -> None:
+        """Creates model, optimizer and EMA already sharded (the hooks' on_init)."""
+        if self.hooks.initialized:
+            return
+        objects = self.hooks.on_init(self._create)
+        self._graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+
+    @property
+    def states(self) -> dict[str, Any]:
+        """The training state of model, optimizer and EMA (``nnx.State``), owned by the hooks."""
+        self.init()
+        return self.hooks.states()
+
+    @property
+    def plan(self) -> Any:
+        """The sharding plan of model, optimizer and EMA."""
+        self.init()
+        return self.hooks.plan
+
+    def objects(self) -> dict[str, Any]:
+        """The live model, optimizer and EMA, brought up to date with the training state."""
+        self.init()
+        return self.hooks.objects
+
+    def _step_fn(self) -> Callable[..., Any]:
+        graphdefs = self._graphdefs
+
+        def step(states: dict[str, Any], batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+            objects = {k: nnx.merge(graphdefs[k], states[k]) for k in states}
+            metrics = self.train_step(objects["model"], objects["optimizer"], objects.get("ema"), batch)
+            return {k: nnx.state(v) for k, v in objects.items()}, metrics
+
+        return step
+
+    def compiled_step(self, batch: Any) -> Any:
+        """The compiled step for this batch's signature: state shardings in and out, the state donated."""
+        self.init()
+        sig = _data.signature(batch)
+        _data.check_structure(self._first_signature, sig)
+        self._first_signature = self._first_signature or sig
+        if sig not in self._steps:
+            shardings = self.hooks.shardings
+            jitted = jax.jit(
+                self._step_fn(),
+                in_shardings=(shardings, jax.tree.map(lambda _: data_sharding(self.hooks.mesh), batch)),
+                out_shardings=(shardings, NamedSharding(self.hooks.mesh, PartitionSpec())),
+                donate_argnums=0,
+            )
+            start = time.perf_counter()
+            self._steps[sig] = jitted.lower(self.hooks.states(), batch).compile()
+            self._event("compile", time.perf_counter() - start, shapes=str([s for s, _ in sig[1]]))
+        return self._steps[sig]
+
+    def global_batch(self, batch: Any) -> Any:
+        """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through."""
+        target = data_sharding(self.hooks.mesh)
+        leaves = jax.tree.leaves(batch)
+        if leaves and all(isinstance(x, jax.Array) and x.sharding == target for x in leaves):
+            return batch
+        return host_local_to_global(batch, self.hooks.mesh)
+
+    def _event(self, name: str, seconds: float, **fields: Any) -> None:
+        self.timings[name] += seconds
+        self.observer.event(name, seconds, self.step, **fields)
+
+    # -- the loop -----------------------------------------------------------------
+
+    def _maybe_resume(self) -> None:
+        if self.config.resume == "auto" and not self._resumed and self.checkpointer is not None:
+            self._resumed = True
+            latest = self.checkpointer.latest_step()
+            if latest is not None and latest > self.step:
+                self.restore_and_reshard(latest)
+
+    def train(
+        self,
+        data: Callable[[int], Any] | Iterable[Any],
+        *,
+        eval_data: Callable[[], Iterable[Any]] | None = None,
+        steps: int | None = None,
+    ) -> list[dict[str, float]]:
+        """Trains up to ``config.total_steps`` (or ``steps`` more) and returns the logged records.
+
+        Args:
+          data: ``step -> host-local batch`` (resumable: the batch of a step is
+            the same after a restore), or an iterable of batches (resumable when
+            its iterator has ``get_state``/``set_state``, as grain's do). A finite
+            iterable that runs out ends the run with a save.
+          eval_data: returns an iterable of eval batches; run every ``eval_every``
+            steps, its metrics logged and passed to that step's checkpoint.
+          steps: train this many steps from the current one instead.
+
+        Returns:
+          One dict per logged step: ``step``, ``loss``, ``grad_norm``, the
+          learning rate when known, the loss's other metrics, and throughput.
+          ``stop_reason`` then says why it returned: ``finished``,
+          ``preempted``, ``data exhausted`` or ``stopped: <reason>``.
+        """
+        self.init()
+        self._maybe_resume()
+        end = self.step + steps if steps is not None else self.config.total_steps
+        resume = _data.state_for_this_process(self._data_states) if not callable(data) else None
+        self._batches = batches = _data.Batches(data, resume)
+        if batches.resumed:
+            self._data_states = None
+        return run_training(self, batches, eval_data, end)
+
+    def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
+        """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default.
+
+        Compiled once per batch signature, like the train step.
+        """
+        self.init()
+        if self._eval_fn is None:
+            graphdef = self._graphdefs["model"]
+
+            def run(model_state: Any, ema_params: Any, batch: Any) -> dict[str, Any]:
+                model = nnx.merge(graphdef, model_state)
+                if ema_params is not None:
+                    nnx.update(model, ema_params)
+                model.eval()  # dropout off, batch norm on its running statistics
+                return self.eval_metrics(model, batch)
+
+            self._eval_fn = jax.jit(run)
+        states = self.hooks.states()
+        params = states["ema"]["params"] if use_ema and "ema" in states else None
+        totals: dict[str, float] = {}
+        rows = 0
+        for batch in batches:
+            batch = self.global_batch(batch)
+            n = max(_data.examples(batch), 1)
+            for k, v in _data.host_scalars(self._eval_fn(states["model"], params, batch)).items():
+                totals[k] = totals.get(k, 0.0) + v * n
+            rows += n
+        return {f"eval_{k}": v / max(rows, 1) for k, v in totals.items()}
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def save(self, *, metrics: dict[str, float] | None = None, force: bool = False) -> bool:
+        """Saves model, optimizer, EMA, step and the data iterator's position (async unless configured)."""
+        if self.checkpointer is None:
+            raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
+        self.init()
+        extra = {}
+        if self._batches is not None and self._batches.resumable:
+            extra["data_state"] = _data.gather_states(self._batches.state())
+        start = time.perf_counter()
+        started = self.checkpointer.save(
+            self.step,
+            self.states,
+            metrics=metrics,
+            mesh=self.mesh,
+            strategy=list(self.config.sharding_strategy),
+            extra=extra,
+            force=force,
+        )
+        self._event("save", time.perf_counter() - start, **({"metrics": metrics} if metrics else {}))
+        return started
+
+    def best_step(self) -> int | None:
+        """The kept step with the best ``config.best_metric`` (None without one)."""
+        return self.checkpointer.best_step() if self.checkpointer is not None else None
+
+    def restore_and_reshard(
+        self,
+        step: int | None = None,
+        *,
+        items: Sequence[str] | None = None,
+        free_live: bool | None = None,
+        max_host_bytes: int | None = None,
+    ) -> RestoreReport:
+        """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time.
+
+        ``items`` restores only those objects and keeps the others as they are:
+        ``items=("model", "ema")`` to fine-tune from a checkpoint with a new
+        optimizer. The data iterator's saved position is set on the next
+        ``train(iterable)``. ``free_live`` and ``max_host_bytes`` default to
+        ``config.free_live_on_restore`` and ``config.max_host_bytes``.
+        """
+        if self.checkpointer is None:
+            raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
+        self.init()
+        start = time.perf_counter()
+        report = self.hooks.restore_and_reshard(
+            self.checkpointer,
+            step=step,
+            items=items,
+            free_live=self.config.free_live_on_restore if free_live is None else free_live,
+            max_host_bytes=max_host_bytes or self.config.max_host_bytes or None,
+        )
+        self.step = report.step
+        self._data_states = report.saved.get("data_state")
+        self._resumed = True
+        self._event("restore", time.perf_counter() - start, report=str(report))
+        return report
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The base Trainer's settings (``Trainer.default_config()``).
+
+    >>> default_config().mesh
+    'fsdp:-1'
+    """
+    return Trainer.default_config()
