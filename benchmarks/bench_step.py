@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    width, depth, rows, steps, rounds = (64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 5)
+    width, depth, rows, steps, rounds = (64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9)
     cfg = {
         "mesh": "fsdp:8",
         "sharding_strategy": STRATEGY,

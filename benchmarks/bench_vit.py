@@ -39,7 +39,7 @@ def main() -> None:
     from examples.vit.trainer import ViTTrainer
 
     cfg = get_config(args.config)
-    batch_size, steps, rounds = (16, 3, 2) if args.smoke else (args.batch, 20, 3)
+    batch_size, steps, rounds = (16, 3, 2) if args.smoke else (args.batch, 20, 7)
 
     def loss(model, batch):
         logits = model(batch["images"])

@@ -235,3 +235,21 @@ def test_bf16_compute_with_float32_parameters_in_the_example_config():
     assert model.blocks[0].attn.query.kernel.get_value().dtype == np.float32
     out = model(np.zeros((2, 8, 8, 1), np.float32))
     assert out.dtype == np.float32 and out.shape == (2, 10)
+
+
+def test_the_logged_gradient_norm_is_the_global_norm():
+    from nnx_shard._trainer._norm import global_norm
+
+    mesh = ns.create_mesh((2, 4), ("dp", "fsdp"))
+    model = nnx.Sequential(nnx.Linear(16, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
+    plan = ns.plan_sharding(
+        model, [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh
+    )
+    shardings = {
+        p.path: jax.sharding.NamedSharding(mesh, p.spec) for p in plan.leaves if p.path != "layers/1/bias"
+    }
+    state = jax.device_put(nnx.state(model), plan.shardings)
+    ours = jax.jit(lambda g: global_norm(g, shardings, mesh))(
+        state
+    )  # a replicated leaf, and one it does not know
+    assert float(ours) == pytest.approx(float(optax.tree.norm(state)), rel=1e-6)

@@ -52,8 +52,7 @@ def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int)
                 trainer.stop_reason = "data exhausted"
                 break
             batch = trainer.global_batch(host_batch)
-            states, metrics = trainer.compiled_step(batch)(trainer.hooks.states(), batch)
-            trainer.hooks.update(states)
+            metrics = trainer.run_step(batch)
             trainer.step += 1
             run.after_dispatch(metrics, _data.examples(batch), _data.tokens(host_batch), end)
             if _after_step(trainer, run, eval_data):

@@ -99,8 +99,9 @@ class Observer:
         if writer is not None:
             for key, value in record.items():
                 if key != "step":
-                    writer.add_scalar(key, value, int(record["step"]))
-            writer.flush()
+                    writer.add_scalar(
+                        key, value, int(record["step"])
+                    )  # written out every 10 s and at the end
 
     def event(self, name: str, seconds: float, step: int, **fields: Any) -> None:
         """Where wall time went (compile, save, restore, resize, eval): a line, a JSON line, a scalar."""
@@ -135,7 +136,7 @@ class Observer:
                     from tensorboardX import SummaryWriter
                 except ImportError:
                     return None
-                self._writer = SummaryWriter(str(self.metrics_path.parent / "tensorboard"))
+                self._writer = SummaryWriter(str(self.metrics_path.parent / "tensorboard"), flush_secs=10)
         return self._writer or None
 
     def close(self) -> None:

@@ -23,9 +23,26 @@ from nnx_shard._paths import flatten_with_paths, is_variable
 from nnx_shard._trainer import _data
 from nnx_shard._trainer._config import base_config, compute_mesh, config_mesh, merge_config
 from nnx_shard._trainer._loop import run_training
+from nnx_shard._trainer._norm import global_norm
 from nnx_shard._trainer._observe import Observer
 
 logger = logging.getLogger("nnx_shard")
+_COMPILE_SECONDS = [0.0]
+_LISTENING = [False]
+
+
+def compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process since the first Trainer (its monitoring events)."""
+    if not _LISTENING[0]:
+        _LISTENING[0] = True
+
+        def listen(name: str, seconds: float, **kwargs: Any) -> None:
+            if name.startswith("/jax/core/compile/"):
+                _COMPILE_SECONDS[0] += seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+    return _COMPILE_SECONDS[0]
+
 
 Hook = Callable[[int, dict[str, float], "Trainer"], Any]
 
@@ -124,6 +141,8 @@ class Trainer:
         self._stop_request: str | None = None
         self._resumed = False
         self._preempted = False
+        self._param_shardings: dict[str, Any] | None = None
+        compile_seconds()  # start listening to JAX's compile events
 
     # -- what a subclass gives ------------------------------------------------
 
@@ -149,11 +168,22 @@ class Trainer:
         optimizer.update(model, grads)
         if ema is not None:
             ema.update(model)
-        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
+        metrics = {"loss": value, "grad_norm": self.grad_norm(grads), **aux}
         lr = _injected_learning_rate(optimizer)
         if lr is not None:
             metrics["learning_rate"] = lr
         return metrics
+
+    def grad_norm(self, grads: Any) -> Any:
+        """The global norm of the model's gradients (traced), with one collective for all leaves."""
+        if self._param_shardings is None:
+            plan = self.hooks.plan
+            self._param_shardings = {
+                p.path.removeprefix("model/"): NamedSharding(plan.mesh, p.spec)
+                for p in plan.leaves
+                if p.path.startswith("model/") and p.spec is not None
+            }
+        return global_norm(grads, self._param_shardings, self.hooks.mesh)
 
     def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, Any]:
         """Metrics of one eval batch (traced under jit, the model in eval mode); default: the loss."""
@@ -229,23 +259,36 @@ class Trainer:
         return step
 
     def compiled_step(self, batch: Any) -> Any:
-        """The compiled step for this batch's signature: state shardings in and out, the state donated."""
+        """The jitted step for this batch's signature: state shardings in and out, the state donated."""
         self.init()
         sig = _data.signature(batch)
         _data.check_structure(self._first_signature, sig)
         self._first_signature = self._first_signature or sig
         if sig not in self._steps:
             shardings = self.hooks.shardings
-            jitted = jax.jit(
+            self._steps[sig] = jax.jit(
                 self._step_fn(),
                 in_shardings=(shardings, jax.tree.map(lambda _: data_sharding(self.hooks.mesh), batch)),
                 out_shardings=(shardings, NamedSharding(self.hooks.mesh, PartitionSpec())),
                 donate_argnums=0,
             )
-            start = time.perf_counter()
-            self._steps[sig] = jitted.lower(self.hooks.states(), batch).compile()
-            self._event("compile", time.perf_counter() - start, shapes=str([s for s, _ in sig[1]]))
         return self._steps[sig]
+
+    def run_step(self, batch: Any) -> Any:
+        """Runs one step on a global batch, updating the state the hooks own; returns the metrics.
+
+        The first step of a batch signature compiles; JAX's own compile-time
+        events say how long, and that goes out as a ``compile`` event.
+        """
+        fresh = _data.signature(batch) not in self._steps
+        step = self.compiled_step(batch)
+        before = compile_seconds()
+        states, metrics = step(self.hooks.states(), batch)
+        self.hooks.update(states)
+        if fresh:
+            shapes = str([s for s, _ in _data.signature(batch)[1]])
+            self._event("compile", compile_seconds() - before, shapes=shapes)
+        return metrics
 
     def global_batch(self, batch: Any) -> Any:
         """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through."""
