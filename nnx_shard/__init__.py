@@ -68,6 +68,7 @@ from nnx_shard._reshard import (
     reshard,
     reshard_with_intermediate_sharding,
 )
+from nnx_shard._resize import ResizeReport
 from nnx_shard._tactic_parser import parse_tactic, register_tactic
 from nnx_shard._tactics import Tactic, fsdp, replicate, shard_dim, spec, stacked
 from nnx_shard._trainer import Trainer, default_config
@@ -122,6 +123,7 @@ __all__ = [
     "PlacementError",
     "ReshardError",
     "ReshardPlan",
+    "ResizeReport",
     "RestoreReport",
     "Route",
     "ShapeBasedShardingRule",

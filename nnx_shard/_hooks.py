@@ -20,6 +20,7 @@ from nnx_shard._paths import as_state, is_graph_object
 from nnx_shard._placement import create_sharded
 from nnx_shard._plan import ShardingPlan
 from nnx_shard._reshard import reshard
+from nnx_shard._resize import ResizeReport, move
 
 logger = logging.getLogger("nnx_shard")
 
@@ -296,6 +297,44 @@ class ShardingHooks:
             items=tuple(sorted(restored)) if partial else None,
             ema_as_model=ema_as_model,
         )
+        logger.info("%s", report)
+        return report
+
+    def on_mesh_change(self, mesh: Mesh, *, donate: bool = True) -> ResizeReport:
+        """Moves the live objects onto ``mesh``: the shardings the strategy infers there.
+
+        Model, optimizer and EMA (RNG state and statistics included) move with
+        :func:`nnx_shard.reshard`: one program per step over the old and new
+        devices sends each piece a new device lacks once, nothing goes through
+        the host. The objects the user holds are the live ones afterwards, and
+        with ``donate`` the old layout's buffers are freed as each step
+        completes. With several processes, every process calls it together
+        (each keeping at least one device); it ends with a named barrier.
+
+        Returns:
+          A :class:`ResizeReport`, e.g. ``moved from 8 devices (fsdp=8) to 4
+          devices (fsdp=4): 1.12 GiB moved of 1.12 GiB ideal, peak 24.0 MiB per
+          device, 0.40 s``.
+
+        >>> import optax
+        >>> from nnx_shard import create_mesh
+        >>> hooks = ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+        >>> objects = hooks.on_init(lambda: {"model": nnx.Linear(4, 64, rngs=nnx.Rngs(0))})
+        >>> report = hooks.on_mesh_change(create_mesh((4,), ("fsdp",), devices=jax.devices()[:4]))
+        >>> str(report).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
+        True
+        >>> objects["model"].kernel.get_value().sharding.spec, hooks.mesh.devices.size
+        (P(None, 'fsdp'), 4)
+        """
+        self._require("live objects to move")
+        barrier_sync("nnx_shard/on_mesh_change/start", timeout=self.barrier_timeout)
+        moved, plan, report = move(
+            self.states(), self._strategy, self._mesh, mesh, strict=self._strict, donate=donate
+        )
+        self._mesh, self._plan = mesh, plan
+        self.update(moved)
+        _ = self.objects  # the objects the user holds now hold the moved arrays
+        barrier_sync("nnx_shard/on_mesh_change", timeout=self.barrier_timeout)
         logger.info("%s", report)
         return report
 

@@ -33,6 +33,7 @@ LAYERS = {
     "_reshard": 7,
     "_checkpoint_format": 7,
     "_checkpoint": 7,
+    "_resize": 7,
     "_hooks": 8,
     "_trainer": 9,
     "cli": 10,

@@ -133,3 +133,31 @@ if (
     jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
     step = int(sys.argv[3]) if len(sys.argv) > 3 else None
     print(json.dumps(resume(sys.argv[1], step=step, model=sys.argv[4] if len(sys.argv) > 4 else "mlp")))
+
+
+def resize_worker(steps: int = 3):
+    """Worker: train on all devices, resize to half of each process's devices and back; compare with a run left alone."""
+    left_alone = RegressionTrainer(config("", total_steps=3 * steps))
+    expected = [h["loss"] for h in left_alone.train(batch_for)]
+    trainer = RegressionTrainer(config("", total_steps=3 * steps))
+    got = [h["loss"] for h in trainer.train(batch_for, steps=steps)]
+    half = [d for d in jax.devices() if d.id % jax.local_device_count() < jax.local_device_count() // 2]
+    before = digest(trainer)
+    there = trainer.resize("fsdp:-1", devices=half)
+    bitwise = [digest(trainer) == before]
+    got += [h["loss"] for h in trainer.train(batch_for, steps=steps)]
+    kernel = trainer.states["model"]["l2"]["kernel"].get_value()
+    spec, mesh = str(kernel.sharding.spec), dict(kernel.sharding.mesh.shape)
+    before = digest(trainer)
+    back = trainer.resize("fsdp:-1")
+    bitwise.append(digest(trainer) == before)
+    got += [h["loss"] for h in trainer.train(batch_for)]
+    return {
+        "expected": expected,
+        "got": got,
+        "there": str(there),
+        "back": str(back),
+        "half_mesh": mesh,
+        "half_spec": spec,
+        "bitwise": bitwise,
+    }

@@ -10,8 +10,36 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
+
+from nnx_shard._paths import flatten_with_paths, is_variable
 
 logger = logging.getLogger("nnx_shard")
+
+_COMPILE_SECONDS = [0.0]
+_LISTENING = [False]
+
+
+def compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process since the first Trainer (its monitoring events)."""
+    if not _LISTENING[0]:
+        _LISTENING[0] = True
+
+        def listen(name: str, seconds: float, **kwargs: Any) -> None:
+            if name.startswith("/jax/core/compile/"):
+                _COMPILE_SECONDS[0] += seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+    return _COMPILE_SECONDS[0]
+
+
+def injected_learning_rate(optimizer: nnx.Optimizer) -> Any:
+    """The learning rate an ``optax.inject_hyperparams`` transform holds in the optimizer state, if any."""
+    for path, leaf in flatten_with_paths(optimizer.opt_state)[0]:
+        if "hyperparams" in path.split("/") and path.endswith("learning_rate"):
+            return leaf.get_value() if is_variable(leaf) else leaf
+    return None
+
 
 # Shown first, in this order, with these names; other metrics follow.
 _FIRST = (("loss", "loss"), ("learning_rate", "lr"), ("grad_norm", "grad_norm"))

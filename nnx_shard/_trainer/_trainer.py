@@ -12,47 +12,23 @@ import jax
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._checkpoint import Checkpointer
 from nnx_shard._checkpoint_format import RestoreReport
 from nnx_shard._errors import ConfigError
 from nnx_shard._hooks import ShardingHooks
+from nnx_shard._mesh import mesh_from_string
 from nnx_shard._multihost import data_sharding, host_local_to_global
-from nnx_shard._paths import flatten_with_paths, is_variable
+from nnx_shard._resize import ResizeReport
 from nnx_shard._trainer import _data
 from nnx_shard._trainer._config import base_config, compute_mesh, config_mesh, merge_config
 from nnx_shard._trainer._loop import run_training
 from nnx_shard._trainer._norm import global_norm
-from nnx_shard._trainer._observe import Observer
+from nnx_shard._trainer._observe import Observer, compile_seconds, injected_learning_rate
 
 logger = logging.getLogger("nnx_shard")
-_COMPILE_SECONDS = [0.0]
-_LISTENING = [False]
-
-
-def compile_seconds() -> float:
-    """Seconds JAX has spent compiling in this process since the first Trainer (its monitoring events)."""
-    if not _LISTENING[0]:
-        _LISTENING[0] = True
-
-        def listen(name: str, seconds: float, **kwargs: Any) -> None:
-            if name.startswith("/jax/core/compile/"):
-                _COMPILE_SECONDS[0] += seconds
-
-        jax.monitoring.register_event_duration_secs_listener(listen)
-    return _COMPILE_SECONDS[0]
-
-
 Hook = Callable[[int, dict[str, float], "Trainer"], Any]
-
-
-def _injected_learning_rate(optimizer: nnx.Optimizer) -> Any:
-    """The learning rate an ``optax.inject_hyperparams`` transform holds in the optimizer state, if any."""
-    for path, leaf in flatten_with_paths(optimizer.opt_state)[0]:
-        if "hyperparams" in path.split("/") and path.endswith("learning_rate"):
-            return leaf.get_value() if is_variable(leaf) else leaf
-    return None
 
 
 class Trainer:
@@ -169,7 +145,7 @@ class Trainer:
         if ema is not None:
             ema.update(model)
         metrics = {"loss": value, "grad_norm": self.grad_norm(grads), **aux}
-        lr = _injected_learning_rate(optimizer)
+        lr = injected_learning_rate(optimizer)
         if lr is not None:
             metrics["learning_rate"] = lr
         return metrics
@@ -395,6 +371,32 @@ class Trainer:
         )
         self._event("save", time.perf_counter() - start, **({"metrics": metrics} if metrics else {}))
         return started
+
+    def resize(
+        self, mesh: Mesh | str, *, devices: Sequence[Any] | None = None, donate: bool = True
+    ) -> ResizeReport:
+        """Moves the live training state onto another mesh and goes on training there.
+
+        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default
+        all). Model, optimizer and EMA move with :meth:`ShardingHooks.on_mesh_change`
+        (each piece a new device lacks sent once, nothing through the host); the
+        step is rebuilt for the new shardings on the next batch, and the global
+        batch stays as it was, so the loss curve goes on as if nothing happened.
+        With several processes, every process calls it together. The resize and
+        the recompile are logged as events; later checkpoints restore anywhere.
+
+        Returns:
+          The :class:`nnx_shard.ResizeReport`.
+        """
+        self.init()
+        new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
+        report = self.hooks.on_mesh_change(compute_mesh(new), donate=donate)
+        self.mesh = new
+        self._steps.clear()  # compiled for the old shardings
+        self._eval_fn = None
+        self._param_shardings = None
+        self._event("resize", report.seconds, report=str(report))
+        return report
 
     def best_step(self) -> int | None:
         """The kept step with the best ``config.best_metric`` (None without one)."""
