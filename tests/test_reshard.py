@@ -244,3 +244,18 @@ def test_random_reshard_is_bitwise_and_minimal(pair, dtype):
     leaf = plan.leaves[0]
     if leaf.route in ("collective", "pieces"):
         assert leaf.bytes_moved == leaf.ideal_bytes
+
+
+def test_many_small_leaves_share_steps_and_stay_bitwise():
+    src = named(D(), (8,), ("f",), "f", None)
+    dst = named(D()[4:], (4,), ("f",), None, "f")
+    tree = {f"w{i}": jax.device_put(jnp.full((16, 8), i, jnp.float32), src) for i in range(100)}
+    plan = ns.plan_reshard(tree, dst)
+    assert len(plan.jobs) == 3 and sorted(p.stacked for p in plan.leaves) == [4] * 4 + [32] * 32 + [64] * 64
+    assert plan.bytes_moved == plan.ideal_bytes
+    with jax.transfer_guard_device_to_host("disallow"):
+        out = ns.reshard(tree, dst, donate=True)
+    assert all(x.is_deleted() for x in tree.values())
+    for i in range(100):
+        assert out[f"w{i}"].sharding == dst
+        np.testing.assert_array_equal(np.asarray(out[f"w{i}"]), np.full((16, 8), i, np.float32))

@@ -13,7 +13,7 @@ from jax.sharding import Sharding
 
 from nnx_shard._errors import ReshardError
 from nnx_shard._paths import flatten_with_paths
-from nnx_shard._reshard import _collective
+from nnx_shard._reshard import _collective, _copy
 from nnx_shard._reshard._blocks import Block, block_of_shard, blocks, holder, relative
 from nnx_shard._reshard._planner import ReshardPlan, Route, plan_leaf, schedule_jobs
 
@@ -182,9 +182,14 @@ def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
     (pairs, treedef), idx, paths, xs, ts, impls = _prepare(tree, target_shardings)
     plan = _plan(paths, xs, ts)
     results: list[Any] = list(xs)
+    reused: set[int] = set()
     fills: dict[Any, dict[Any, jax.Array]] = {}
     for job in plan.jobs:
-        if job.route is Route.COLLECTIVE:
+        if job.route is Route.COPY:
+            moved = _copy.run([xs[i] for i in job.leaves], ts[job.leaves[0]], donate)
+            for i, y in zip(job.leaves, moved, strict=True):
+                results[i] = y
+        elif job.route is Route.COLLECTIVE:
             first = xs[job.leaves[0]]
             schedule = _collective.build_schedule(tuple(first.shape), first.sharding, ts[job.leaves[0]])
             outside = tuple(d for d in schedule.union if d not in first.sharding.device_set)
@@ -205,15 +210,17 @@ def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
         if donate:
             for i in job.leaves:
                 x = xs[i]
-                if isinstance(x, jax.Array) and results[i] is not x and not _shares_buffers(x, results[i]):
+                if isinstance(x, jax.Array) and (results[i] is x or _shares_buffers(x, results[i])):
+                    reused.add(i)  # the result is built on the input's own buffers
+                elif isinstance(x, jax.Array):
                     x.delete()
     leaves = [x for _, x, _ in pairs]
     for i, impl, y in zip(idx, impls, results, strict=True):
         leaves[i] = jax.random.wrap_key_data(y, impl=impl) if impl is not None else y
     if donate:
-        for i, impl in zip(idx, impls, strict=True):
+        for n, (i, impl) in enumerate(zip(idx, impls, strict=True)):
             original = pairs[i][1]
-            if impl is not None and isinstance(original, jax.Array) and not original.is_deleted():
+            if impl is not None and n not in reused and isinstance(original, jax.Array) and not original.is_deleted():
                 original.delete()
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from nnx_shard._plan import format_bytes
-from nnx_shard._reshard import _collective
+from nnx_shard._reshard import _collective, _copy
 from nnx_shard._reshard._blocks import blocks, device_order, holder, intersect, missing_elements, size
 from nnx_shard._specs import itemsize
 
@@ -28,14 +28,19 @@ STACK = 64
 class Route(enum.StrEnum):
     """How one leaf gets to its target.
 
-    KEEP: already there (same blocks on the same devices). COLLECTIVE: one SPMD
-    program over the source and target devices moves each missing piece once
-    with ``ppermute``. PIECES: device-to-device copies of whole shards or of
-    their pieces, concatenated on the target device (0-d and uneven arrays).
+    KEEP: already there (same blocks on the same devices). COPY: each missing
+    piece cut out on its holder (one program over the source devices), copied
+    once (one batched ``device_put``) and assembled on its target (one program
+    over the target devices); within a process. COLLECTIVE: one SPMD program
+    over the source and target devices moves each missing piece once with
+    ``ppermute``; for pieces that cross processes, and for transpositions
+    (pieces both cut and assembled), which it writes in place. PIECES: device-to-device copies of whole shards or
+    of their pieces, concatenated on the target device (0-d and uneven arrays).
     HOST: the input is host data, placed shard by shard.
     """
 
     KEEP = "keep"
+    COPY = "copy"
     COLLECTIVE = "collective"
     PIECES = "pieces"
     HOST = "host"
@@ -66,7 +71,7 @@ class LeafReshard:
     >>> x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(Mesh(np.array(devs), ("f",)), PartitionSpec("f")))
     >>> leaf = plan_reshard(x, NamedSharding(Mesh(np.array(devs[:4]), ("f",)), PartitionSpec("f"))).leaves[0]
     >>> str(leaf.route), leaf.bytes_moved, leaf.host
-    ('collective', 112, None)
+    ('copy', 112, None)
     """
 
     path: str
@@ -189,6 +194,30 @@ def _plan_signature(shape: tuple[int, ...], dtype: Any, src: Sharding | None, ds
             peak_bytes_per_device=src_shard,
         )
     schedule = _collective.build_schedule(shape, src, dst)
+    # Pieces that must be both cut and assembled (a transposition) go through the collective
+    # route, which writes them in place with one piece in flight: less memory than holding them.
+    cut_and_join = schedule is not None and schedule.piece != schedule.src_block and _copy.needs_assembly(schedule, 1)
+    if schedule is not None and _copy.within_process(schedule) and not cut_and_join:
+        piece = math.prod(schedule.piece) * item
+        slicing = schedule.piece != schedule.src_block
+        assembling = _copy.needs_assembly(schedule, 1)
+        return LeafReshard(
+            **base,
+            route=Route.COPY,
+            steps=(
+                (
+                    f"cut pieces of {'x'.join(map(str, schedule.piece))} on the source devices; "
+                    if slicing
+                    else ""
+                )
+                + f"copy {schedule.remote} pieces to their targets"
+                + ("; assemble each target block" if assembling else ""),
+            ),
+            bytes_moved=schedule.remote * piece,
+            ideal_bytes=ideal,
+            peak_bytes_per_device=src_shard * (2 if slicing else 1) + dst_shard * (2 if assembling else 1),
+            piece=schedule.piece,
+        )
     if schedule is not None:
         piece = math.prod(schedule.piece) * item
         # Small arrays run stacked; their step's peak comes from the stacked program.
@@ -231,7 +260,7 @@ def plan_leaf(path: str, x: Any, target: Sharding) -> LeafReshard:
 
 
 def schedule_jobs(leaves: list[LeafReshard], inputs: Sequence[Any], targets: Sequence[Sharding]) -> list[Job]:
-    """Groups small collective leaves of one signature into shared programs, in tree order.
+    """Groups small leaves of one signature and route into shared steps, in tree order.
 
     Updates ``leaves`` in place with the peak and stack size of the step each one runs in.
     """
@@ -240,8 +269,8 @@ def schedule_jobs(leaves: list[LeafReshard], inputs: Sequence[Any], targets: Seq
     order: list[Any] = []
     for i, (leaf, x, t) in enumerate(zip(leaves, inputs, targets, strict=True)):
         small = math.prod(leaf.shape) * itemsize(x.dtype) <= STACK_BYTES
-        if leaf.route is Route.COLLECTIVE and small:
-            key = (leaf.shape, leaf.dtype, x.sharding, t)
+        if leaf.route in (Route.COPY, Route.COLLECTIVE) and small:
+            key = (leaf.route, leaf.shape, leaf.dtype, x.sharding, t)
             if key not in open_groups:
                 open_groups[key] = []
                 order.append(key)
@@ -253,14 +282,17 @@ def schedule_jobs(leaves: list[LeafReshard], inputs: Sequence[Any], targets: Seq
             jobs.append(Job(leaves[entry].route, (entry,), leaves[entry].peak_bytes_per_device))
             continue
         members = open_groups[entry]
-        shape, _, src, dst = entry
+        route, shape, _, src, dst = entry
         while members:
             k = 1 << min(len(members), STACK).bit_length() - 1  # powers of two: few distinct programs
             chunk, members = tuple(members[:k]), members[k:]
-            dtype = inputs[chunk[0]].dtype
-            _, temp = _collective.compiled_program(shape, src, dst, dtype, k)
-            peak = k * leaves[chunk[0]].peak_bytes_per_device + temp  # its blocks, k times, + XLA's temp
+            one = leaves[chunk[0]].peak_bytes_per_device
+            if route is Route.COLLECTIVE:
+                _, temp = _collective.compiled_program(shape, src, dst, inputs[chunk[0]].dtype, k)
+                peak = k * one + temp  # its blocks, k times, + XLA's temp
+            else:
+                peak = 2 * k * one  # the leaves' own steps, plus the stacked copies
             for i in chunk:
                 leaves[i] = dataclasses.replace(leaves[i], peak_bytes_per_device=peak, stacked=k)
-            jobs.append(Job(Route.COLLECTIVE, chunk, peak))
+            jobs.append(Job(route, chunk, peak))
     return jobs

@@ -1,0 +1,211 @@
+"""The copy route: pieces sliced on their holders, copied device to device once, assembled on their targets.
+
+The same schedule as the collective route (the common refinement of source
+and target blocks, each piece a target device lacks sent once), run in three
+steps that each touch only the devices they need: one program over the
+source devices cuts the pieces out of their blocks (skipped when a piece is a
+whole block), one batched ``jax.device_put`` copies every piece to its target
+device, and one program over the target devices concatenates each block's
+pieces (skipped when a block is one piece). Nothing runs on a device outside
+the source or target, so nothing is computed or allocated there; transfers
+must stay within the process (across processes the collective route runs).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from nnx_shard._reshard._collective import AXIS, Schedule, Transfer, build_schedule
+
+
+def within_process(schedule: Schedule) -> bool:
+    """True when every piece moves between devices of one process (device_put can copy it)."""
+    union = schedule.union
+    transfers = [t for p in schedule.positions for t in (*p.local, *(u for m in p.permutations for u in m))]
+    transfers += [t for r in schedule.rounds for t in r]
+    return all(union[t.src].process_index == union[t.dst].process_index for t in transfers)
+
+
+def _transfers(schedule: Schedule) -> list[Transfer]:
+    out = [t for p in schedule.positions for t in p.local]
+    out += [t for p in schedule.positions for m in p.permutations for t in m]
+    out += [t for r in schedule.rounds for t in r]
+    return out
+
+
+def _mesh(devices: list[Any]) -> NamedSharding:
+    return NamedSharding(
+        Mesh(np.array(sorted(devices, key=lambda d: d.id), dtype=object), (AXIS,)), PartitionSpec(AXIS)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> dict[str, Any]:
+    """Rounds of slices per source device, and which round's piece fills each (target, position)."""
+    schedule = build_schedule(shape, src, dst)
+    union = schedule.union
+    by_source: dict[int, list[Transfer]] = {}
+    for t in _transfers(schedule):
+        by_source.setdefault(t.src, []).append(t)
+    slicing = schedule.piece != schedule.src_block
+    rounds = max(len(v) for v in by_source.values()) if slicing else 1
+    where: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # (dst, position) -> (round, src)
+    offsets: list[dict[int, tuple[int, ...]]] = [{} for _ in range(rounds)]
+    for s, ts in by_source.items():
+        for r, t in enumerate(ts):
+            r = r if slicing else 0
+            where[(t.dst, t.position)] = (r, s)
+            offsets[r][s] = t.offset
+    sources = sorted({union[s] for s in by_source}, key=lambda d: d.id)
+    targets = sorted(dst.device_set, key=lambda d: d.id)
+    return dict(
+        schedule=schedule, slicing=slicing, offsets=offsets, where=where, sources=sources, targets=targets
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _slicer(shape: tuple[int, ...], src: Sharding, dst: Sharding, dtype: Any, k: int) -> Any:
+    """One program over the source devices: round r's piece of each block (by a per-device offset).
+
+    With ``k`` leaves of one signature, their blocks are stacked first and each
+    piece carries all ``k`` (one copy per piece instead of ``k``).
+    """
+    plan = _plan(shape, src, dst)
+    schedule, index = plan["schedule"], {d: i for i, d in enumerate(plan["sources"])}
+    union = schedule.union
+    piece, ndim, batch = schedule.piece, len(schedule.piece), (() if k == 1 else (k,))
+
+    def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        x = xs[0] if k == 1 else jnp.stack(xs)
+        if not plan["slicing"]:
+            return (x,)
+        me = jax.lax.axis_index(AXIS)
+        out = []
+        for offsets in plan["offsets"]:
+            table = np.zeros((len(index), ndim), np.int32)
+            for s, off in offsets.items():
+                table[index[union[s]]] = off
+            start = (0,) * len(batch) + tuple(jnp.asarray(table)[me, i] for i in range(ndim))
+            out.append(jax.lax.dynamic_slice(x, start, batch + piece))
+        return tuple(out)
+
+    sharding = _mesh(plan["sources"])
+    spec = PartitionSpec(AXIS)
+    rounds = len(plan["offsets"]) if plan["slicing"] else 1
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=sharding.mesh, in_specs=(spec,) * k, out_specs=(spec,) * rounds, check_vma=False
+        )
+    )
+    aval = jax.ShapeDtypeStruct(
+        (len(index) * schedule.src_block[0], *schedule.src_block[1:]), dtype, sharding=sharding
+    )
+    with jax.set_mesh(sharding.mesh):
+        return fn.lower(*([aval] * k)).compile()
+
+
+@functools.lru_cache(maxsize=256)
+def assembler(shape: tuple[int, ...], src: Sharding, dst: Sharding, dtype: Any, k: int) -> Any:
+    """One program over the target devices: each block's pieces concatenated in grid order (and unstacked)."""
+    plan = _plan(shape, src, dst)
+    schedule = plan["schedule"]
+    grid, batch = schedule.grid, (() if k == 1 else (k,))
+    positions = [p.position for p in schedule.positions] or sorted({t.position for t in _transfers(schedule)})
+
+    def body(*pieces: jax.Array) -> tuple[jax.Array, ...]:
+        values = dict(zip(positions, pieces, strict=True))
+
+        def build(prefix: tuple[int, ...]) -> jax.Array:
+            if len(prefix) == len(grid):
+                return values[prefix]
+            parts = [build((*prefix, i)) for i in range(grid[len(prefix)])]
+            return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=len(prefix) + len(batch))
+
+        out = build(())
+        return (out,) if k == 1 else tuple(out[i] for i in range(k))
+
+    sharding = _mesh(plan["targets"])
+    spec = PartitionSpec(AXIS)
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=sharding.mesh,
+            in_specs=(spec,) * len(positions),
+            out_specs=(spec,) * k,
+            check_vma=False,
+        )
+    )
+    n = len(plan["targets"])
+    shape_in = (n * (batch + schedule.piece)[0], *(batch + schedule.piece)[1:])
+    aval = jax.ShapeDtypeStruct(shape_in, dtype, sharding=sharding)
+    with jax.set_mesh(sharding.mesh):
+        return fn.lower(*([aval] * len(positions))).compile(), positions
+
+
+def needs_assembly(schedule: Schedule, k: int) -> bool:
+    return k > 1 or any(g > 1 for g in schedule.grid)
+
+
+def run(xs: list[jax.Array], target: Sharding, donate: bool) -> list[jax.Array]:
+    """Moves ``xs`` (one shape, dtype and sharding) onto ``target``: slice, copy, assemble, within this process."""
+    x0, k = xs[0], len(xs)
+    shape = tuple(x0.shape)
+    plan = _plan(shape, x0.sharding, target)
+    schedule, union = plan["schedule"], plan["schedule"].union
+    mine = jax.process_index()
+    if plan["slicing"] or k > 1:  # cut (and stack) on the source devices
+        sharding = _mesh(plan["sources"])
+        global_in = (len(plan["sources"]) * schedule.src_block[0], *schedule.src_block[1:])
+        inputs = []
+        for x in xs:
+            held = {s.device: s.data for s in x.addressable_shards}
+            blocks = [held[d] for d in sharding.mesh.devices.flat if d.process_index == mine]
+            inputs.append(jax.make_array_from_single_device_arrays(global_in, sharding, blocks))
+        cut = _slicer(shape, x0.sharding, target, x0.dtype, k)(*inputs)
+        pieces = [{s.device: s.data for s in out.addressable_shards} for out in cut]
+        fresh = True
+    else:
+        pieces = [{s.device: s.data for s in x0.addressable_shards}]
+        fresh = donate  # the input's own buffers, reusable only when it is given up
+    # Every (target device, position): its piece, copied there in one batched device_put when elsewhere.
+    needed = [
+        (union[i], q, *plan["where"][(i, q)]) for (i, q) in plan["where"] if union[i].process_index == mine
+    ]
+    remote = [(d, q, pieces[r][union[s]]) for d, q, r, s in needed if union[s] != d]
+    copies = (
+        jax.device_put([p for _, _, p in remote], [d for d, _, _ in remote], may_alias=False)
+        if remote
+        else []
+    )
+    at: dict[tuple[Any, tuple[int, ...]], jax.Array] = {
+        (d, q): c for (d, q, _), c in zip(remote, copies, strict=True)
+    }
+    for d, q, r, s in needed:
+        if union[s] == d:
+            piece = pieces[r][d]
+            at[(d, q)] = piece if fresh else jax.device_put(piece, d, may_alias=False)
+    if not needs_assembly(schedule, k):
+        blocks_out = [
+            {d: at[(d, (0,) * len(schedule.grid))] for d in plan["targets"] if d.process_index == mine}
+        ]
+    else:
+        compiled, positions = assembler(shape, x0.sharding, target, x0.dtype, k)
+        sharding = _mesh(plan["targets"])
+        piece = ((k,) if k > 1 else ()) + schedule.piece
+        global_piece = (len(plan["targets"]) * piece[0], *piece[1:])
+        local = [d for d in sharding.mesh.devices.flat if d.process_index == mine]
+        inputs = [
+            jax.make_array_from_single_device_arrays(global_piece, sharding, [at[(d, q)] for d in local])
+            for q in positions
+        ]
+        blocks_out = [{s.device: s.data for s in out.addressable_shards} for out in compiled(*inputs)]
+    return [
+        jax.make_array_from_single_device_arrays(shape, target, [b[d] for d in target.addressable_devices])
+        for b in blocks_out
+    ]
