@@ -9,12 +9,12 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.pop("XLA_FLAGS", None)  # one mechanism only: the config below
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DEVICES = 8
 jax.config.update("jax_num_cpu_devices", DEVICES)

@@ -157,3 +157,54 @@ def run_variants(script: str, variants, args) -> dict:
             raise SystemExit(f"{variant} failed:\n{out.stderr[-3000:]}")
         runs[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     return runs
+
+
+class DeviceMemory:
+    """Live bytes per device at each step of a reshard (the executor waits for every step).
+
+    ``peak`` is the most any device held above what it held at the start; ``fullest`` the
+    most any device held at all (``jax.live_arrays()``, each buffer counted once).
+    """
+
+    def __init__(self, jax):
+        self.jax, self.peak, self.fullest = jax, {}, 0
+        self.base = self.sample()
+        original = jax.block_until_ready
+
+        def wrapped(x):
+            out = original(x)
+            for d, n in self.sample().items():
+                self.peak[d] = max(self.peak.get(d, 0), n - self.base.get(d, 0))
+                self.fullest = max(self.fullest, n)
+            return out
+
+        self.original, jax.block_until_ready = original, wrapped
+
+    def sample(self):
+        seen, out = set(), {}
+        for x in self.jax.live_arrays():
+            for s in x.addressable_shards:
+                key = (s.device, s.data.unsafe_buffer_pointer())
+                if key not in seen:
+                    seen.add(key)
+                    out[s.device] = out.get(s.device, 0) + s.data.nbytes
+        return out
+
+    def close(self):
+        self.jax.block_until_ready = self.original
+        return max(self.peak.values(), default=0)
+
+
+def no_host_transfers(jax):
+    """A context in which any transfer between host and device raises, explicit ones included.
+
+    (On the CPU backend, ``jax.device_get`` of an array passes even the strictest
+    device-to-host guard, as nothing is copied; the host-to-device guard catches
+    the ``device_put`` of host data that any round trip through the host needs.)
+    """
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
+    stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
+    return stack

@@ -10,6 +10,21 @@ from flax import nnx
 import nnx_shard as ns
 
 
+def no_host_transfers():
+    """Any transfer between host and device raises inside it, explicit ones included.
+
+    On the CPU backend a device-to-host read copies nothing and passes even the strict
+    guard; the host-to-device guard catches the ``device_put`` of host data that any
+    round trip through the host needs.
+    """
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
+    stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
+    return stack
+
+
 def need_devices(n: int) -> None:
     if jax.device_count() < n:
         pytest.skip(

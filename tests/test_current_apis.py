@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 import nnx_shard as ns
+from tests.conftest import no_host_transfers
 from tests.trainer_app import RegressionTrainer, batch_for, config
 
 PACKAGE = str(Path(ns.__file__).parent)
@@ -67,7 +68,7 @@ def test_explicit_axes_and_set_mesh_everywhere(tmp_path):
         with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
             ckpt.save(3, states, mesh=explicit8)
         target = ns.infer_sharding(states, STRATEGY, explicit4)
-        with jax.transfer_guard_device_to_host("disallow"):
+        with no_host_transfers():
             moved = ns.reshard(states, target)
         placed = ns.place_like_target(
             {"w": np.ones((16, 8), np.float32)}, {"w": target["model"]["layers"][0]["kernel"]}

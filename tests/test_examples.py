@@ -49,7 +49,16 @@ def check_reshard(result):
     ours = result["runs"]["nnx_shard.reshard"]
     assert ours["goes_through_host"] is False
     assert ours["bytes_moved"] == ours["ideal_bytes"]
+    assert 0 <= ours["measured_transient_bytes_per_device"] <= ours["peak_bytes_per_device"]
     assert result["runs"]["host round trip"]["goes_through_host"] is True
+
+
+def check_resize(result):
+    assert result["all_bitwise_equal"] is True
+    ours = result["runs"]["nnx_shard on_mesh_change"]
+    assert ours["cold"]["to_4"]["bytes_moved"] == ours["cold"]["to_4"]["ideal_bytes"] > 0
+    assert ours["cold"]["to_4"]["report"].startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
+    assert ours["cold"]["to_4"]["fullest_device_after_bytes"] == ours["cold"]["to_4"]["plan_bytes_per_device"]
 
 
 def check_step(result):
@@ -70,6 +79,7 @@ BENCHMARKS = {
     "infer": check_infer,
     "init": check_init,
     "reshard": check_reshard,
+    "resize": check_resize,
     "step": check_step,
     "restore": check_restore,
     "vit": check_vit,

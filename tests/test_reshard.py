@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
 from nnx_shard import NoIntermediateShardingError, NoIntermediateShardingNeededError
+from tests.conftest import no_host_transfers
 
 D = jax.devices
 
@@ -83,7 +84,7 @@ def test_table(case, dtype):
     plan = ns.plan_reshard({"w": x}, {"w": dst})
     leaf = plan.leaves[0]
     before = per_device_bytes()
-    with jax.transfer_guard_device_to_host("disallow"), jax.transfer_guard_host_to_device("disallow"):
+    with no_host_transfers():
         y = ns.reshard({"w": x}, {"w": dst})["w"]
     after = per_device_bytes()
     assert y.sharding == dst
@@ -163,7 +164,7 @@ def test_state_prefix_keys_and_donation():
     )
     state = nnx.state(model)
     target = ns.infer_sharding(state, strategy, mesh4)
-    with jax.transfer_guard_device_to_host("disallow"):
+    with no_host_transfers():
         moved = ns.reshard(state, target)
     for a, b, s in zip(jax.tree.leaves(state), jax.tree.leaves(moved), jax.tree.leaves(target), strict=True):
         assert b.sharding == s
@@ -237,7 +238,7 @@ def test_random_reshard_is_bitwise_and_minimal(pair, dtype):
     host = (np.arange(16 * 24) % 127).astype(jnp.dtype(dtype)).reshape(16, 24)
     x = jax.device_put(host, src)
     plan = ns.plan_reshard(x, dst)
-    with jax.transfer_guard_device_to_host("disallow"):
+    with no_host_transfers():
         y = ns.reshard(x, dst)
     assert y.sharding == dst
     np.testing.assert_array_equal(np.asarray(y), host)
@@ -253,7 +254,7 @@ def test_many_small_leaves_share_steps_and_stay_bitwise():
     plan = ns.plan_reshard(tree, dst)
     assert len(plan.jobs) == 3 and sorted(p.stacked for p in plan.leaves) == [4] * 4 + [32] * 32 + [64] * 64
     assert plan.bytes_moved == plan.ideal_bytes
-    with jax.transfer_guard_device_to_host("disallow"):
+    with no_host_transfers():
         out = ns.reshard(tree, dst, donate=True)
     assert all(x.is_deleted() for x in tree.values())
     for i in range(100):

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
+from tests.conftest import no_host_transfers
 from tests.trainer_app import DropoutBN, RegressionTrainer, batch_for, config, digest
 
 STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
@@ -42,7 +43,7 @@ def test_on_mesh_change_moves_the_live_objects_bitwise_without_the_host():
     before = host_copy(hooks.states())
     old_kernel = objects["model"].l1.kernel.get_value()
     mesh4 = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[4:])
-    with jax.transfer_guard_device_to_host("disallow"):
+    with no_host_transfers():
         report = hooks.on_mesh_change(mesh4)
     assert str(report).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4): ")
     assert report.bytes_moved == report.ideal_bytes > 0 and not report.through_host

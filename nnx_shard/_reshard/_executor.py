@@ -220,7 +220,12 @@ def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
     if donate:
         for n, (i, impl) in enumerate(zip(idx, impls, strict=True)):
             original = pairs[i][1]
-            if impl is not None and n not in reused and isinstance(original, jax.Array) and not original.is_deleted():
+            if (
+                impl is not None
+                and n not in reused
+                and isinstance(original, jax.Array)
+                and not original.is_deleted()
+            ):
                 original.delete()
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

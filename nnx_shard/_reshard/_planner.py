@@ -196,7 +196,9 @@ def _plan_signature(shape: tuple[int, ...], dtype: Any, src: Sharding | None, ds
     schedule = _collective.build_schedule(shape, src, dst)
     # Pieces that must be both cut and assembled (a transposition) go through the collective
     # route, which writes them in place with one piece in flight: less memory than holding them.
-    cut_and_join = schedule is not None and schedule.piece != schedule.src_block and _copy.needs_assembly(schedule, 1)
+    cut_and_join = (
+        schedule is not None and schedule.piece != schedule.src_block and _copy.needs_assembly(schedule, 1)
+    )
     if schedule is not None and _copy.within_process(schedule) and not cut_and_join:
         piece = math.prod(schedule.piece) * item
         slicing = schedule.piece != schedule.src_block
