@@ -7,7 +7,9 @@ fingerprint however it is sharded, on any number of devices or processes: a
 checkpoint saved on 8 devices verifies on 4, or on 2 processes. Any single
 changed word changes it (an odd weight times a non-zero difference is
 non-zero modulo 2**32); several changed words cancel only by a 1 in 2**32
-chance. One pass over the data, memory-bound: about 8 GB/s on a 2-core CPU.
+chance. One pass over the data, memory-bound: about 10 GB/s on a 2-core CPU. Each
+device sums its own shard block by block (the temporary is one 64 KiB block), then
+one psum adds the shards.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
@@ -56,6 +59,79 @@ def _program(n: int) -> Any:
     return jax.jit(lambda arrays: jnp.stack([_one(x) for x in arrays]))
 
 
+# Words per block when a shard is fingerprinted block by block (64 KiB of uint32).
+BLOCK_WORDS = 2**14
+_C1, _C2 = np.uint32(0x9E3779B1), np.uint32(0x7F4A7C15)  # numpy: importing must not start a backend
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _by_shard(x: jax.Array) -> bool:
+    """Whether ``x`` can be fingerprinted shard by shard: a NamedSharding that divides its shape."""
+    sharding = x.sharding
+    if (
+        not isinstance(sharding, NamedSharding)
+        or x.ndim == 0
+        or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ):
+        return False
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+    for dim, entry in zip(x.shape, sharding.spec, strict=False):
+        n = int(np.prod([sizes[a] for a in _axes(entry)], dtype=np.int64))
+        if dim % n:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Any:
+    """The same sum as :func:`_one`, each device over its own shard in 1 MiB blocks, then one ``psum``.
+
+    XLA's CPU backend does not fuse the weighting into the reduction, so the
+    whole-array program holds a weighted copy of each shard; block by block,
+    the temporary is one block.
+    """
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    words_shape = shape + ((2,) if jnp.dtype(dtype).itemsize == 8 else ())
+    strides = [int(np.prod(words_shape[d + 1 :], dtype=object)) % 2**32 for d in range(len(words_shape))]
+    sharded = tuple(a for entry in spec for a in _axes(entry))
+
+    def local(x: jax.Array) -> jax.Array:
+        shard = x.shape + words_shape[len(shape) :]  # the shard's words
+        base = jnp.uint32(0)
+        for d, entry in enumerate(spec):
+            if entry is not None:
+                first = jax.lax.axis_index(_axes(entry)).astype(jnp.uint32) * jnp.uint32(shard[d])
+                base = base + first * jnp.uint32(strides[d])
+        rest = jnp.zeros(shard[1:], jnp.uint32)
+        for d in range(1, len(shard)):
+            rest = rest + jax.lax.broadcasted_iota(jnp.uint32, shard[1:], d - 1) * jnp.uint32(strides[d])
+        rows = shard[0]
+        block = max(1, min(rows, BLOCK_WORDS // max(1, int(np.prod(shard[1:], dtype=np.int64)))))
+
+        def block_sum(start: jax.Array, size: int) -> jax.Array:
+            # Slice first, then reinterpret: the words of one block, never of the whole shard.
+            part = _words(jax.lax.dynamic_slice_in_dim(x, start, size, 0))
+            row = jax.lax.broadcasted_iota(jnp.uint32, part.shape, 0) + start.astype(jnp.uint32)
+            index = base + row * jnp.uint32(strides[0]) + rest[None]
+            return jnp.sum(part * ((index * _C1 + _C2) | jnp.uint32(1)), dtype=jnp.uint32)
+
+        full = rows // block
+        total = jax.lax.fori_loop(0, full, lambda i, acc: acc + block_sum(i * block, block), jnp.uint32(0))
+        if rows % block:
+            total = total + block_sum(jnp.int32(full * block), rows % block)
+        total = jax.lax.psum(total, sharded) if sharded else total
+        return total[None]
+
+    return jax.jit(
+        jax.shard_map(
+            local, mesh=sharding.mesh, in_specs=(sharding.spec,), out_specs=PartitionSpec(), check_vma=False
+        )
+    )
+
+
 def _host(sums: jax.Array) -> np.ndarray:
     if not sums.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -90,7 +166,10 @@ def fingerprints(arrays: Sequence[Any]) -> list[str]:
         step = CHUNK if first.nbytes <= SMALL_BYTES and len(members) > CHUNK else 1
         for k in range(0, len(members), step):
             chunk = members[k : k + step]
-            sums = _host(_program(len(chunk))([arrays[i] for i in chunk]))
+            if step == 1 and _by_shard(first):  # a large array: block by block on each device
+                sums = _host(_shard_program(first.shape, first.dtype, first.sharding)(arrays[chunk[0]]))
+            else:
+                sums = _host(_program(len(chunk))([arrays[i] for i in chunk]))
             for i, value in zip(chunk, sums, strict=True):
                 out[i] = f"{int(value):08x}"
     return out

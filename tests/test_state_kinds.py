@@ -200,3 +200,25 @@ def digest_of(state):
         for x in jax.tree.leaves(state)
         if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
     ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
+def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype):
+    # Large arrays are summed shard by shard on each device, small ones whole: both must agree.
+    from nnx_shard._fingerprint import fingerprints
+
+    devices = np.array(jax.devices())
+    host = (np.random.default_rng(0).integers(0, 100, (64, 24, 8)) % 2).astype(dtype)
+    layouts = [
+        NamedSharding(Mesh(devices, ("f",)), P("f")),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", None, "a")),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P(None, ("a", "b"))),
+        NamedSharding(Mesh(devices[:3], ("r",)), P(None, "r")),
+        NamedSharding(Mesh(devices[:1], ("one",)), P()),
+    ]
+    prints = {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
+    prints.add(fingerprints([np.asarray(host)])[0])  # host data: the whole-array program
+    assert len(prints) == 1
+    changed = host.copy()
+    changed[40, 5, 3] = not changed[40, 5, 3] if dtype == "bool" else changed[40, 5, 3] + 1
+    assert fingerprints([jax.device_put(changed, layouts[1])])[0] not in prints
