@@ -186,6 +186,9 @@ def main() -> None:
         "verification_share_of_restore": round(
             runs["nnx_shard (no verify)"]["verify_s"] / runs["nnx_shard (no verify)"]["seconds"], 3
         ),
+        "verification_warm_share_of_restore": round(
+            runs["nnx_shard (no verify)"]["verify_warm_s"] / runs["nnx_shard (no verify)"]["seconds"], 3
+        ),
         "verified_over_unverified_restore": round(
             ours["seconds"] / runs["nnx_shard (no verify)"]["seconds"], 3
         ),
