@@ -26,6 +26,7 @@ import time
 
 from common import (
     DeviceMemory,
+    live_bytes_per_device,
     machine,
     no_host_transfers,
     peak_rss_bytes,
@@ -38,17 +39,6 @@ from common import (
 
 STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
 VARIANTS = ("nnx_shard on_mesh_change", "save + restore_and_reshard", "jax.device_put")
-
-
-def fullest_device_bytes(jax) -> int:
-    seen, out = set(), {}
-    for x in jax.live_arrays():
-        for s in x.addressable_shards:
-            key = (s.device, s.data.unsafe_buffer_pointer())
-            if key not in seen:
-                seen.add(key)
-                out[s.device] = out.get(s.device, 0) + s.data.nbytes
-    return max(out.values(), default=0)
 
 
 def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
@@ -90,7 +80,7 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
             for k, v in objects.items():
                 nnx.update(v, moved[k])
         jax.block_until_ready({k: nnx.state(v) for k, v in objects.items()})
-        out["fullest_device_after_bytes"] = fullest_device_bytes(jax)
+        out["fullest_device_after_bytes"] = max(live_bytes_per_device(jax).values())
         out["plan_bytes_per_device"] = plans[n].bytes_per_device
         return out
 

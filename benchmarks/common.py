@@ -159,6 +159,18 @@ def run_variants(script: str, variants, args) -> dict:
     return runs
 
 
+def live_bytes_per_device(jax) -> dict:
+    """Bytes of ``jax.live_arrays()`` on each device, each buffer counted once."""
+    seen, out = set(), {}
+    for x in jax.live_arrays():
+        for s in x.addressable_shards:
+            key = (s.device, s.data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                out[s.device] = out.get(s.device, 0) + s.data.nbytes
+    return out
+
+
 class DeviceMemory:
     """Live bytes per device at each step of a reshard (the executor waits for every step).
 
@@ -181,14 +193,7 @@ class DeviceMemory:
         self.original, jax.block_until_ready = original, wrapped
 
     def sample(self):
-        seen, out = set(), {}
-        for x in self.jax.live_arrays():
-            for s in x.addressable_shards:
-                key = (s.device, s.data.unsafe_buffer_pointer())
-                if key not in seen:
-                    seen.add(key)
-                    out[s.device] = out.get(s.device, 0) + s.data.nbytes
-        return out
+        return live_bytes_per_device(self.jax)
 
     def close(self):
         self.jax.block_until_ready = self.original

@@ -27,6 +27,7 @@ _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
 SMALL_BYTES = 2**20
 CHUNK = 64
+_C1, _C2 = np.uint32(0x9E3779B1), np.uint32(0x7F4A7C15)  # numpy: importing must not start a backend
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -50,8 +51,12 @@ def _one(x: jax.Array) -> jax.Array:
     for dim in reversed(range(w.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, dim) * jnp.uint32(stride % 2**32)
         stride *= w.shape[dim]
-    weight = index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15) | jnp.uint32(1)
-    return jnp.sum(w * weight, dtype=jnp.uint32)
+    return _weighted_sum(w, index)
+
+
+def _weighted_sum(words: jax.Array, index: jax.Array) -> jax.Array:
+    """The sum of ``words``, each times an odd function of its global ``index``, modulo 2**32."""
+    return jnp.sum(words * ((index * _C1 + _C2) | jnp.uint32(1)), dtype=jnp.uint32)
 
 
 @functools.cache
@@ -61,7 +66,6 @@ def _program(n: int) -> Any:
 
 # Words per block when a shard is fingerprinted block by block (64 KiB of uint32).
 BLOCK_WORDS = 2**14
-_C1, _C2 = np.uint32(0x9E3779B1), np.uint32(0x7F4A7C15)  # numpy: importing must not start a backend
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -116,7 +120,7 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) 
             part = _words(jax.lax.dynamic_slice_in_dim(x, start, size, 0))
             row = jax.lax.broadcasted_iota(jnp.uint32, part.shape, 0) + start.astype(jnp.uint32)
             index = base + row * jnp.uint32(strides[0]) + rest[None]
-            return jnp.sum(part * ((index * _C1 + _C2) | jnp.uint32(1)), dtype=jnp.uint32)
+            return _weighted_sum(part, index)
 
         full = rows // block
         total = jax.lax.fori_loop(0, full, lambda i, acc: acc + block_sum(i * block, block), jnp.uint32(0))
