@@ -127,14 +127,16 @@ class ShardingHooks:
         that passes states from step to step pays nothing per step.
         """
         self._require("live objects")
-        unknown = sorted(set(states) - set(self._objects))
-        if unknown:
-            raise CheckpointError(
-                f"states for {unknown}, which are not among the objects {sorted(self._objects)}."
-            )
+        self._check_keys(states, "states for {unknown}, which are not among the objects {objects}.")
         pending = self.states()
         pending.update(states)
         self._pending = pending
+
+    def _check_keys(self, given: Mapping[str, Any], message: str) -> None:
+        """Raises ``message`` (with ``{unknown}`` and ``{objects}``) for keys that name no live object."""
+        unknown = sorted(set(given) - set(self._objects))
+        if unknown:
+            raise CheckpointError(message.format(unknown=unknown, objects=sorted(self._objects)))
 
     def _write(self, states: Mapping[str, Any]) -> None:
         for key, state in states.items():
@@ -196,11 +198,7 @@ class ShardingHooks:
         jitted step can donate them.
         """
         self._require("live objects to restore into")
-        unknown = sorted(set(restored) - set(self._objects))
-        if unknown:
-            raise CheckpointError(
-                f"restored keys {unknown} are not among the objects {sorted(self._objects)}."
-            )
+        self._check_keys(restored, "restored keys {unknown} are not among the objects {objects}.")
         live = self.states()
         incoming = {}
         for key, value in restored.items():

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_shard as ns
 from tests.conftest import no_host_transfers
 from tests.test_trainer import resume_in_subprocess
-from tests.trainer_app import DropoutBN, DropoutTrainer, batch_for, config, digest
+from tests.trainer_app import DropoutBN, DropoutTrainer, batch_for, config, digest, run_with_checkpoint_at_6
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +23,7 @@ def dropout_run(tmp_path_factory):
     """A dropout + batch-norm model trained on 8 devices: 12 steps, a checkpoint at 6."""
     workdir = tmp_path_factory.mktemp("dropout")
     trainer = DropoutTrainer({**config(str(workdir)), "async_checkpoint": False})
-    trainer.train(batch_for, steps=6)
-    trainer.save()
-    saved = digest(trainer)
-    history = trainer.train(batch_for)
-    return {
-        "workdir": str(workdir),
-        "digest": saved,
-        "losses": [h["loss"] for h in history],
-        "trainer": trainer,
-    }
+    return run_with_checkpoint_at_6(trainer, str(workdir))
 
 
 def test_the_ema_tracks_parameters_only(dropout_run):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from tests.trainer_app import RegressionTrainer, batch_for, config, digest
+from tests.trainer_app import RegressionTrainer, batch_for, config, digest, run_with_checkpoint_at_6
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,18 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def reference(tmp_path_factory):
     """An uninterrupted run on 8 devices: 12 steps, a synchronous checkpoint at step 6."""
     workdir = tmp_path_factory.mktemp("ref")
-    trainer = RegressionTrainer(config(str(workdir)))
-    trainer.train(batch_for, steps=6)
-    trainer.save()
-    trainer.checkpointer.wait_until_finished()
-    saved = digest(trainer)
-    history = trainer.train(batch_for)
-    return {
-        "workdir": str(workdir),
-        "digest": saved,
-        "losses": [h["loss"] for h in history],
-        "trainer": trainer,
-    }
+    return run_with_checkpoint_at_6(RegressionTrainer(config(str(workdir))), str(workdir))
 
 
 def resume_in_subprocess(workdir, devices, model="mlp"):

@@ -108,6 +108,16 @@ def digest(trainer: ns.Trainer) -> str:
     return h.hexdigest()
 
 
+def run_with_checkpoint_at_6(trainer: ns.Trainer, workdir: str) -> dict:
+    """Trains 6 steps, saves (and waits for the save), trains on: what a resume is compared with."""
+    trainer.train(batch_for, steps=6)
+    trainer.save()
+    trainer.checkpointer.wait_until_finished()
+    saved = digest(trainer)
+    history = trainer.train(batch_for)
+    return {"workdir": workdir, "digest": saved, "losses": [h["loss"] for h in history], "trainer": trainer}
+
+
 def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: int = 12, model: str = "mlp"):
     """Worker: restore onto this process's devices, report the restore, digest and later losses."""
     trainer = TRAINERS[model](config(workdir, mesh, total_steps=until))
