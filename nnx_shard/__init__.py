@@ -16,7 +16,10 @@ from nnx_shard._errors import (
     BatchStructureError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointMismatchError,
+    CheckpointSaveError,
+    CheckpointWarning,
     CLIError,
     ConfigError,
     DistributedNotInitializedError,
@@ -44,6 +47,7 @@ from nnx_shard._errors import (
     UnknownTacticError,
     UnmatchedLeavesError,
     UnusedRuleWarning,
+    WorkdirLockedError,
 )
 from nnx_shard._hooks import ShardingHooks, restore_and_reshard
 from nnx_shard._inference import infer_sharding, plan_sharding
@@ -98,7 +102,10 @@ __all__ = [
     "CLIError",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "CheckpointWarning",
     "Checkpointer",
     "CompositeShardingRule",
     "ConfigError",
@@ -143,6 +150,7 @@ __all__ = [
     "UnknownTacticError",
     "UnmatchedLeavesError",
     "UnusedRuleWarning",
+    "WorkdirLockedError",
     "__version__",
     "abstract_target",
     "annotated",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import time
+import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +34,21 @@ from nnx_shard._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointSaveError,
+    CheckpointWarning,
     NoCheckpointError,
 )
 from nnx_shard._paths import as_state
 from nnx_shard._specs import itemsize
+from nnx_shard._storage_faults import describe, is_storage_error, named, os_error, quiet
 from nnx_shard._version import __version__
+from nnx_shard._workdir import set_aside_folder
 
 logger = logging.getLogger("nnx_shard")
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+TMP_MARK = (
+    ".orbax-checkpoint-tmp"  # Orbax writes a step under <step>.orbax-checkpoint-tmp-<n>, then renames it
+)
 # Host bytes a read holds per byte in flight (see Checkpointer._reader).
 READ_AMPLIFICATION = 4
 
@@ -144,6 +153,8 @@ class Checkpointer:
         )
         self._options = options
         self._manager: Any = None
+        self._pending: int | None = None  # the step of a save not yet known to be on disk
+        self.last_skip_reason: str | None = None
         self._closed = False
         _OPEN.add(self)
 
@@ -153,10 +164,28 @@ class Checkpointer:
         if self._manager is None:
             if self._closed:
                 raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=self._options, handler_registry=_registry()
-            )
+            self._remove_leftovers()
+            with self._storage(None, "opening"):
+                self._manager = ocp.CheckpointManager(
+                    self.directory, options=self._options, handler_registry=_registry()
+                )
         return self._manager
+
+    def _remove_leftovers(self) -> None:
+        """Removes the temporary folders an interrupted save left (process 0), with a note."""
+        if jax.process_index() != 0 or not self._exists():
+            return
+        with self._storage(None, "opening"):
+            left = sorted(p for p in self.directory.iterdir() if TMP_MARK in p.name)
+            for p in left:
+                p.rmtree() if p.is_dir() else p.unlink()
+        if left:
+            logger.warning(
+                "removed %d temporary folders of interrupted saves in %s: %s",
+                len(left),
+                self.directory,
+                [p.name for p in left],
+            )
 
     def _exists(self) -> bool:
         return self.directory.exists()
@@ -180,11 +209,28 @@ class Checkpointer:
     ) -> bool:
         """Saves ``{"model": ..., "optimizer": ..., "ema": ...}`` (objects or States) at ``step``.
 
-        Returns whether a save was started (Orbax may skip a step it already has).
+        Returns True when the save was started, False when it was not written:
+        the step is already saved, or is older than the newest step (which
+        Orbax never writes over; ``force`` writes an older step). A skip is
+        never silent: a :class:`CheckpointWarning` says why, and
+        ``last_skip_reason`` holds it.
+
+        Raises:
+          CheckpointSaveError: the step could not be written (a full disk, an
+            unwritable directory), naming the step, the path and the OS error;
+            with async saves, raised by the next ``save``,
+            ``wait_until_finished`` or ``close``. Earlier steps stay intact and
+            the next save, once the cause is gone, writes.
         """
+        step = int(step)
+        self.last_skip_reason = None
+        self.wait_until_finished()  # a failed earlier save is reported before this one starts
+        reason = self._skip_reason(step, force)
+        if reason is not None:
+            return self._skipped(step, reason)
         states, keys = storable(as_state(dict(objects))[0])
         meta = {
-            "step": int(step),
+            "step": step,
             "nnx_shard_version": __version__,
             "strategy": describe_strategy(strategy),
             **mesh_metadata(mesh),
@@ -195,25 +241,152 @@ class Checkpointer:
             start = time.perf_counter()
             meta["fingerprints"] = tree_fingerprints(states)
             logger.info("fingerprinted step %d in %.3f s", step, time.perf_counter() - start)
-        if not self._exists():
-            self.directory.mkdir(parents=True, exist_ok=True)
-        self.wait_until_finished()  # Orbax waits for the previous save anyway; seal it meanwhile
-        self._unsealed.append(int(step))
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeSave(states), meta=ocp.args.JsonSave(meta)),
-            metrics=dict(metrics) if metrics is not None else None,
-            force=force,
+        with self._storage(step, "saving"):
+            if not self._exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+            self._pending = step
+            started = self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(states), meta=ocp.args.JsonSave(meta)),
+                metrics=dict(metrics) if metrics is not None else None,
+                force=force,
+            )
+        if not started:
+            self._pending = None
+            return self._skipped(step, "Orbax's save policy declined it")
+        self._unsealed.append(step)
+        if not self._options.enable_async_checkpointing:
+            self.wait_until_finished()
+        return True
+
+    def _skip_reason(self, step: int, force: bool) -> str | None:
+        steps = self.all_steps()
+        if step in steps:
+            return f"step {step} is already saved there"
+        if steps and step < steps[-1] and not force:
+            return (
+                f"it is older than the newest step {steps[-1]}, and Orbax only writes newer steps "
+                f"(a run that restored an older step sets the newer ones aside first; Trainer.train does)"
+            )
+        return None
+
+    def _skipped(self, step: int, reason: str) -> bool:
+        self.last_skip_reason = reason
+        warnings.warn(
+            f"step {step} was not saved in {self.directory}: {reason}.", CheckpointWarning, stacklevel=3
         )
+        return False
 
     def wait_until_finished(self) -> None:
-        """Blocks until a background save is on disk (and records its files' checksums)."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-        if self.verify:
-            for step in self._unsealed:
-                write_file_manifest(self.directory / str(step))
+        """Blocks until a background save is on disk (and records its files' checksums).
+
+        Raises:
+          CheckpointSaveError: that save failed; its partial files are removed.
+        """
+        step = self._pending
+        with self._storage(step, "saving"):
+            if self._manager is not None:
+                self._manager.wait_until_finished()
+            if self.verify:
+                for s in self._unsealed:
+                    write_file_manifest(self.directory / str(s))
         self._unsealed.clear()
+        self._pending = None
+
+    def _save_failed(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+        """Forgets the failed save (Orbax's manager, its partial files) so that the next save writes."""
+        self._pending, self._unsealed = None, []
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception as e:  # the failed save's own error again, being reported now
+                if not is_storage_error(e):
+                    raise
+        with contextlib.suppress(OSError):
+            self._remove_leftovers()
+            if step is not None and jax.process_index() == 0 and (self.directory / str(step)).exists():
+                if step not in self._finished_steps():
+                    (self.directory / str(step)).rmtree()
+        cause = os_error(error)
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else describe(error)
+        return CheckpointSaveError(
+            f"step {step} could not be written to {self.directory} ({what}). The earlier steps are intact; "
+            f"free space or fix the directory's permissions, and the next save writes."
+        )
+
+    def _finished_steps(self) -> list[int]:
+        """Steps whose folder Orbax finalised (its commit marker is there)."""
+        out = []
+        for p in self.directory.iterdir():
+            if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists():
+                out.append(int(p.name))
+        return out
+
+    @contextlib.contextmanager
+    def _storage(self, step: int | None, doing: str) -> Iterator[list[str]]:
+        """Turns storage faults raised inside into our errors; anything else propagates as itself.
+
+        Orbax raises a bare ``Exception`` for a failed read, wrapping
+        TensorStore's error, so no narrower class catches it: the whole chain
+        decides (:func:`is_storage_error`), and what is not a storage fault is
+        re-raised unchanged.
+        """
+        with quiet() as hidden:
+            try:
+                yield hidden
+            except CheckpointError:
+                raise
+            except Exception as e:  # filtered: only storage faults are converted
+                if not is_storage_error(e):
+                    raise
+                if doing == "saving":
+                    raise self._save_failed(step, e) from e
+                raise self._unreadable(step, e, hidden) from e
+
+    def _unreadable(self, step: int | None, error: BaseException, hidden: list[str]) -> CheckpointError:
+        denied = os_error(error)
+        if isinstance(denied, PermissionError):
+            return CheckpointError(
+                f"step {step} in {self.directory} cannot be read: permission denied on {denied.filename}. "
+                f"Nothing live was changed; fix the file's permissions."
+            )
+        arrays, files = named(error)
+        parts = [describe(error)]
+        if arrays:
+            parts.insert(0, f"arrays {arrays[:8]}")
+        if files:
+            parts.insert(0, f"files {files[:4]}")
+        if hidden:
+            parts.append(f"{len(hidden)} more reads failed")
+        if step is None:
+            return CheckpointCorruptError(f"{self.directory} could not be opened ({'; '.join(parts)}).")
+        return self._corrupted(step, "; ".join(parts))
+
+    def set_aside(self, steps: Sequence[int], *, kind: str, why: str) -> Any:
+        """Moves ``steps`` out of the directory (never deleted) so that no restore picks them again.
+
+        They go to ``<directory>.set_aside/<kind>-<time>/<step>``; process 0
+        moves, every process then sees the new list of steps. Returns that folder.
+        """
+        steps = sorted(int(s) for s in steps)
+        self.wait_until_finished()
+        folder = set_aside_folder(self.directory, kind)
+        if jax.process_index() == 0 and steps:
+            with self._storage(None, "setting aside"):
+                folder.mkdir(parents=True, exist_ok=True)
+                for step in steps:
+                    (self.directory / str(step)).rename(folder / str(step))
+        self._saved_items = {k: v for k, v in self._saved_items.items() if k not in steps}
+        for reader in self._budgeted.values():
+            reader.reload()
+        if steps:
+            warnings.warn(
+                f"set aside steps {steps} of {self.directory} in {folder}: {why}.",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return folder
 
     def all_steps(self) -> list[int]:
         """The steps on disk, oldest first (empty when the directory does not exist)."""
@@ -240,21 +413,27 @@ class Checkpointer:
     def metadata(self, step: int) -> dict[str, Any]:
         """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
         self._check_step(step)
-        try:
-            return dict(
-                self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            )
-        except Exception as e:
-            raise self._corrupt(step, e) from None
+        with self._storage(step, "reading"):
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if not isinstance(meta, Mapping):
+            raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
+        return dict(meta)
 
     def items(self, step: int) -> list[str]:
         """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
         if step not in self._saved_items:
-            try:
-                self._saved_items[step] = sorted(self.manager.metadata(step).item_metadata["state"])
-            except Exception as e:
-                raise self._corrupt(step, e) from None
+            self._saved_items[step] = sorted(self._saved_tree(step))
         return self._saved_items[step]
+
+    def _saved_tree(self, step: int) -> Any:
+        """The saved state's tree metadata (``state/_METADATA``), read as a storage fault would be reported."""
+        with self._storage(step, "reading"):
+            tree = self.manager.metadata(step).item_metadata["state"]
+        if not tree:
+            raise self._corrupted(
+                step, "the state item has no metadata (state/_METADATA is missing or empty)"
+            )
+        return tree
 
     def _check_step(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -277,19 +456,15 @@ class Checkpointer:
         With ``items`` (a partial restore), only the saved leaves under those
         top-level keys are compared; within them the structure must match exactly.
         """
-        changed = changed_files(self.directory / str(step)) if self.verify else []
+        with self._storage(step, "reading"):
+            changed = changed_files(self.directory / str(step)) if self.verify else []
         if changed:
             raise self._corrupted(
                 step, f"{len(changed)} of its files differ from when it was saved: {changed[:8]}"
             )
-        try:
-            saved_tree = self.manager.metadata(step).item_metadata["state"]
-            if not saved_tree:
-                raise ValueError("the state item has no metadata (state/_METADATA is missing or empty)")
-            self._saved_items[step] = sorted(saved_tree)
-            saved = leaf_paths(saved_tree)
-        except Exception as e:
-            raise self._corrupt(step, e) from None
+        saved_tree = self._saved_tree(step)
+        self._saved_items[step] = sorted(saved_tree)
+        saved = leaf_paths(saved_tree)
         wanted = {p: v for p, v in leaf_paths(storage_target(target)[0]).items() if hasattr(v, "shape")}
         parts = structure_problems(saved, wanted, items)
         if parts:
@@ -363,7 +538,7 @@ class Checkpointer:
             was saved (the arrays are named); nothing live is touched.
         """
         stored, keys = storage_target(target)
-        try:
+        with self._storage(step, "reading"):
             out = self._reader(max_host_bytes, stored).restore(
                 step,
                 args=ocp.args.Composite(
@@ -375,9 +550,10 @@ class Checkpointer:
                     meta=ocp.args.JsonRestore(),
                 ),
             )
-        except Exception as e:
-            raise self._corrupt(step, e) from None
-        states, meta = out["state"], dict(out["meta"])
+        states, meta = out["state"], out["meta"]
+        if not isinstance(meta, Mapping):
+            raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
+        meta = dict(meta)
         if self.verify and "fingerprints" in meta:
             self._verify(step, states, meta["fingerprints"])
         return restore_keys(states, meta.get("prng_keys", {}), keys), meta
@@ -423,18 +599,17 @@ class Checkpointer:
         states, meta = self.read(step, target, partial=items is not None)
         return step, states, meta
 
-    def _corrupt(self, step: int, error: Exception) -> CheckpointCorruptError:
-        detail = str(error).splitlines()[0][:300] if str(error) else ""
-        return self._corrupted(step, f"{type(error).__name__}: {detail}")
-
     def close(self) -> None:
         """Waits for a background save and releases Orbax's resources (idempotent)."""
         for reader in self._budgeted.values():
             reader.close()
         self._budgeted.clear()
-        if self._manager is not None:
-            self.wait_until_finished()
-            self._manager.close()
-            self._manager = None
         self._closed = True
         _OPEN.discard(self)
+        if self._manager is not None:
+            try:
+                self.wait_until_finished()
+            finally:
+                if self._manager is not None:
+                    self._manager.close()
+                    self._manager = None

@@ -231,8 +231,14 @@ def changed_files(step_dir: Any) -> list[str]:
     manifest = step_dir / MANIFEST
     if not manifest.exists():
         return []
+    try:
+        sums = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return [MANIFEST]
+    if not isinstance(sums, dict):
+        return [MANIFEST]
     changed = []
-    for name, crc in json.loads(manifest.read_text()).items():
+    for name, crc in sums.items():
         f = step_dir / name
         if not f.exists() or zlib.crc32(f.read_bytes()) != crc:
             changed.append(name)

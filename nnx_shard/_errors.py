@@ -27,6 +27,10 @@ class UnusedRuleWarning(NnxShardWarning):
     """A strategy rule that matched no leaf: usually a typo in its regex."""
 
 
+class CheckpointWarning(NnxShardWarning):
+    """A checkpoint not written, or set aside: a skipped save, a step that failed to verify, an abandoned branch."""
+
+
 # -- bad input (ValueError) ----------------------------------------------------
 
 
@@ -132,6 +136,14 @@ class CheckpointCorruptError(CheckpointError):
     """A checkpoint whose files cannot be read, or whose content differs from what was saved."""
 
 
+class CheckpointExistsError(CheckpointError):
+    """A run that does not resume, in a workdir that already holds checkpoints of another run."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that could not be written (full disk, unwritable directory); earlier steps are intact."""
+
+
 class ConfigError(NnxShardError, ValueError):
     """A Trainer or command-line setting that cannot be used."""
 
@@ -164,6 +176,10 @@ class LifecycleError(NnxShardError, RuntimeError):
 
 class DistributedNotInitializedError(NnxShardError, RuntimeError):
     """Several processes but no distributed client: ``jax.distributed.initialize`` was not called."""
+
+
+class WorkdirLockedError(NnxShardError, RuntimeError):
+    """A workdir that another live job is writing to; the message names the holder."""
 
 
 # -- waits that ran out (TimeoutError) -------------------------------------------------

@@ -263,7 +263,10 @@ class ShardingHooks:
         expected = dict(target)
         if ema_as_model:  # read the model's parameters from the EMA, its other state from the model
             params, rest = nnx.split_state(target["model"], nnx.Param, ...)
-            target["model"] = rest
+            if jax.tree.leaves(rest):
+                target["model"] = rest
+            else:  # a model of parameters only: nothing of it is read (an empty item is not a tree Orbax reads)
+                del target["model"]
             target["ema"] = expected["ema"] = nnx.State({"params": params})
         step = checkpointer.validate(step, expected, items=sorted(expected))  # before anything live is freed
         if free_live:
@@ -281,7 +284,8 @@ class ShardingHooks:
             raise
         restored = dict(restored)
         if ema_as_model:
-            restored["model"] = nnx.merge_state(restored["model"], restored.pop("ema")["params"])
+            params = restored.pop("ema")["params"]
+            restored["model"] = nnx.merge_state(restored["model"], params) if "model" in restored else params
         _check_placed(restored, {k: self.shardings[k] for k in restored})
         self.update(restored)  # Orbax's arrays own their buffers: donatable (tested)
         barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)

@@ -229,9 +229,17 @@ def _annotation_names(meta: dict[str, Any]) -> Any:
 def _kind(obj: Any) -> str:
     if isinstance(obj, nnx.Optimizer):
         return "optimizer"
-    if isinstance(obj, nnx.EMA):
+    if isinstance(obj, nnx.EMA) or _is_ema_state(obj):
         return "ema"
     return "model" if is_graph_object(obj) else "state"
+
+
+def _is_ema_state(obj: Any) -> bool:
+    """``nnx.state(ema)``: a State whose one key is ``params``, every leaf under it an ``nnx.Param``."""
+    if not isinstance(obj, nnx.State) or list(obj.keys()) != ["params"]:
+        return False
+    leaves = jax.tree.leaves(obj, is_leaf=is_variable)
+    return bool(leaves) and all(isinstance(v, nnx.Param) for v in leaves)
 
 
 def _group_kinds(tree: Any, group_depth: int) -> dict[Any, str]:
