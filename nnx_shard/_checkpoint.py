@@ -38,6 +38,7 @@ from nnx_shard._errors import (
     CheckpointWarning,
     NoCheckpointError,
 )
+from nnx_shard._multihost import barrier_sync
 from nnx_shard._paths import as_state
 from nnx_shard._specs import itemsize
 from nnx_shard._storage_faults import describe, is_storage_error, named, os_error, quiet
@@ -76,7 +77,7 @@ def _registry(restore_bytes: int | None = None) -> Any:
 def _policy(max_to_keep: int | None, best_metric: str | None, best_mode: str) -> Any:
     policies = ocp.checkpoint_managers
     if best_metric is None:
-        return policies.LatestN(n=max_to_keep) if max_to_keep is not None else policies.PreserveAll()
+        return policies.LatestN(n=max_to_keep)  # n=None keeps every step
     best = policies.BestN(
         get_metric_fn=lambda m: float(m[best_metric]),
         reverse=best_mode == "min",
@@ -155,6 +156,7 @@ class Checkpointer:
         self._manager: Any = None
         self._pending: int | None = None  # the step of a save not yet known to be on disk
         self.last_skip_reason: str | None = None
+        self.barrier_timeout = 200.0
         self._closed = False
         _OPEN.add(self)
 
@@ -342,6 +344,11 @@ class Checkpointer:
                     raise
                 if doing == "saving":
                     raise self._save_failed(step, e) from e
+                if doing == "setting aside":
+                    raise CheckpointError(
+                        f"steps could not be moved out of {self.directory} ({describe(e)}); nothing was "
+                        f"deleted. Fix the directory's permissions or free space, then start again."
+                    ) from e
                 raise self._unreadable(step, e, hidden) from e
 
     def _unreadable(self, step: int | None, error: BaseException, hidden: list[str]) -> CheckpointError:
@@ -377,6 +384,7 @@ class Checkpointer:
                 folder.mkdir(parents=True, exist_ok=True)
                 for step in steps:
                     (self.directory / str(step)).rename(folder / str(step))
+        barrier_sync(f"nnx_shard/set_aside/{kind}", timeout=self.barrier_timeout)
         self._saved_items = {k: v for k, v in self._saved_items.items() if k not in steps}
         for reader in self._budgeted.values():
             reader.reload()

@@ -34,7 +34,7 @@ _ORBAX_READ = re.compile(
 _DECODE = (json.JSONDecodeError, UnicodeDecodeError, zlib.error, EOFError)
 _ARRAY = re.compile(r'(?:reading|writing) "([^"]+?)(?:\.value)?/[\d.]*"')
 _FILE = re.compile(r"""(?:local file |'path': |file ")["']?(/[^"'\s,]+)""")
-_QUIET = ("absl", "orbax", "asyncio", "jax._src.distributed", "tensorstore", "etils")
+_QUIET = ("absl", "orbax", "asyncio", "tensorstore", "etils")
 
 
 def chain(error: BaseException) -> Iterator[BaseException]:

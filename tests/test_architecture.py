@@ -30,6 +30,8 @@ LAYERS = {
     "_placement": 6,
     "_multihost": 6,
     "_fingerprint": 6,
+    "_storage_faults": 1,
+    "_workdir": 1,
     "_reshard": 7,
     "_checkpoint_format": 7,
     "_checkpoint": 7,

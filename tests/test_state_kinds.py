@@ -172,7 +172,7 @@ def test_a_model_only_restore_from_a_trainer_checkpoint(dropout_run):
 
 
 def test_trainer_restores_named_items_and_keeps_the_others(dropout_run):
-    trainer = DropoutTrainer(config(dropout_run["workdir"]))
+    trainer = DropoutTrainer({**config(dropout_run["workdir"]), "save_at_end": False})
     trainer.init()
     optimizer_before = digest_of(trainer.states["optimizer"])
     report = trainer.restore_and_reshard(12, items=("model", "ema"))

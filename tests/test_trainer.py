@@ -118,7 +118,7 @@ def test_corrupted_checkpoint_leaves_live_state_and_other_steps(reference, tmp_p
 
 
 def test_restored_state_is_donatable_and_trains(reference, tmp_path):
-    trainer = RegressionTrainer(config(reference["workdir"]))
+    trainer = RegressionTrainer({**config(reference["workdir"]), "save_at_end": False})
     trainer.restore_and_reshard(6)
     kernel = trainer.states["model"]["l1"]["kernel"].get_value()
     trainer.train(batch_for, steps=1)

@@ -175,8 +175,11 @@ def test_resume_auto_restores_the_latest_checkpoint_before_training(tmp_path):
     trainer = LMTrainer(config(str(tmp_path), resume="auto", total_steps=6))
     history = trainer.train(ResumableBatches(records()))
     assert [h["step"] for h in history] == [5, 6]
-    off = LMTrainer(config(str(tmp_path), total_steps=2))  # off by default
-    assert [h["step"] for h in off.train(ResumableBatches(records()))] == [1, 2]
+    off = LMTrainer(config(str(tmp_path), total_steps=2))  # off by default: it never saves over them
+    with pytest.raises(
+        ns.CheckpointExistsError, match=r"already holds checkpoints of another run \(steps \[4, 6\]\)"
+    ):
+        off.train(ResumableBatches(records()))
 
 
 def test_a_changed_batch_structure_is_a_clear_error():

@@ -110,17 +110,21 @@ def digest(trainer: ns.Trainer) -> str:
 
 def run_with_checkpoint_at_6(trainer: ns.Trainer, workdir: str) -> dict:
     """Trains 6 steps, saves (and waits for the save), trains on: what a resume is compared with."""
-    trainer.train(batch_for, steps=6)
-    trainer.save()
+    trainer.train(batch_for, steps=6)  # saves at its end (save_at_end)
     trainer.checkpointer.wait_until_finished()
+    assert trainer.checkpointer.latest_step() == 6
     saved = digest(trainer)
     history = trainer.train(batch_for)
     return {"workdir": workdir, "digest": saved, "losses": [h["loss"] for h in history], "trainer": trainer}
 
 
 def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: int = 12, model: str = "mlp"):
-    """Worker: restore onto this process's devices, report the restore, digest and later losses."""
-    trainer = TRAINERS[model](config(workdir, mesh, total_steps=until))
+    """Worker: restore onto this process's devices, report the restore, digest and later losses.
+
+    It writes nothing (the workdir is shared by several tests): a save after
+    restoring step 6 would set the reference's newer steps aside.
+    """
+    trainer = TRAINERS[model]({**config(workdir, mesh, total_steps=until), "save_at_end": False})
     report = trainer.restore_and_reshard(step)
     restored = digest(trainer)
     kernel = trainer.states["model"]["l1"]["kernel"].get_value()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,8 +11,9 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from nnx_shard._errors import ConfigError, UnknownConfigKeyError
+from nnx_shard._errors import ConfigError, MeshError, TacticError, UnknownConfigKeyError
 from nnx_shard._mesh import mesh_from_string
+from nnx_shard._tactic_parser import parse_tactic
 
 DEFAULTS: dict[str, Any] = {
     # where the state lives
@@ -23,6 +25,8 @@ DEFAULTS: dict[str, Any] = {
     "total_steps": 100,
     "ema_decay": 0.999,  # None: no EMA is created, saved or restored
     "eval_every": 0,
+    "on_nonfinite": "stop",  # a NaN/Inf loss or gradient norm: "stop" (not applied, run ends) or "skip" (not applied)
+    "max_consecutive_nonfinite": 10,  # with "skip": stop after this many non-finite steps in a row
     # checkpoints
     "workdir": "",
     "save_every": 0,
@@ -32,7 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "best_mode": "min",
     "async_checkpoint": True,
     "verify_checkpoints": True,
-    "resume": "off",  # "auto": restore the workdir's latest checkpoint before training
+    "resume": "off",  # "auto": restore the newest checkpoint that verifies before training
+    "overwrite": False,  # a run that does not resume may start in a workdir holding checkpoints (they are set aside)
+    "lock_stale_after": 300.0,  # seconds without a heartbeat after which another host's workdir lock is taken over
     "max_host_bytes": 0,  # > 0: bound the host memory a restore reads with at once
     "free_live_on_restore": False,
     # what the user sees
@@ -42,6 +48,23 @@ DEFAULTS: dict[str, Any] = {
 }
 
 PROGRESS = ("auto", "bar", "on", "lines", "off")
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "progress": PROGRESS,
+    "best_mode": ("min", "max"),
+    "resume": ("off", "auto"),
+    "on_nonfinite": ("stop", "skip"),
+}
+COUNTS = ("seed", "total_steps", "eval_every", "save_every", "max_host_bytes", "log_every")
+POSITIVE = ("max_consecutive_nonfinite",)
+SECONDS = ("barrier_timeout", "lock_stale_after")
+FLAGS = (
+    "save_at_end",
+    "async_checkpoint",
+    "verify_checkpoints",
+    "free_live_on_restore",
+    "tensorboard",
+    "overwrite",
+)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -94,13 +117,97 @@ def merge_config(defaults: ml_collections.ConfigDict, given: Any) -> ml_collecti
         return out
 
     merged = ml_collections.ConfigDict(merge(base, values))
-    if merged.progress not in PROGRESS:
-        raise ConfigError(f"config.progress must be one of {PROGRESS}; got {merged.progress!r}.")
-    if merged.best_mode not in ("min", "max"):
-        raise ConfigError(f"config.best_mode must be 'min' or 'max'; got {merged.best_mode!r}.")
-    if merged.resume not in ("off", "auto"):
-        raise ConfigError(f"config.resume must be 'off' or 'auto'; got {merged.resume!r}.")
+    check_values(merged.to_dict(), defaults.to_dict())
     return merged
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expected(key: str, value: Any, what: str) -> ConfigError:
+    return ConfigError(f"config.{key} must be {what}; got {value!r} ({type(value).__name__}).")
+
+
+def check_values(config: Mapping[str, Any], defaults: Mapping[str, Any], where: str = "") -> None:
+    """Checks each key's type and range: the built-in keys by their rules, a subclass's by its default's type.
+
+    An int default takes an int, a float default an int or a float, a string
+    default a string, a bool default a bool; a None default takes anything.
+
+    >>> check_values({**DEFAULTS, "total_steps": "20"}, DEFAULTS)
+    Traceback (most recent call last):
+    ...
+    nnx_shard._errors.ConfigError: config.total_steps must be a whole number >= 0; got '20' (str).
+    """
+    for key, value in config.items():
+        name, default = f"{where}{key}", defaults.get(key)
+        if where == "" and key in CHOICES:
+            if value not in CHOICES[key]:
+                raise _expected(name, value, f"one of {CHOICES[key]}")
+        elif where == "" and key in COUNTS:
+            if not _int(value) or value < 0:
+                raise _expected(name, value, "a whole number >= 0")
+        elif where == "" and key == "keep":
+            if value is not None and (not _int(value) or value < 1):
+                raise _expected(name, value, "a whole number >= 1, or None to keep every step")
+        elif where == "" and key in POSITIVE:
+            if not _int(value) or value < 1:
+                raise _expected(name, value, "a whole number >= 1")
+        elif where == "" and key in SECONDS:
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise _expected(name, value, "a number of seconds > 0")
+        elif where == "" and key in FLAGS:
+            if not isinstance(value, bool):
+                raise _expected(name, value, "True or False")
+        elif where == "" and key == "ema_decay":
+            if value is not None and (not isinstance(value, int | float) or not 0 <= value <= 1):
+                raise _expected(name, value, "a number in [0, 1], or None for no EMA")
+        elif where == "" and key in ("workdir", "best_metric"):
+            if not isinstance(value, str):
+                raise _expected(name, value, "a string ('' for none)")
+        elif where == "" and key == "sharding_strategy":
+            check_strategy(value)
+        elif where == "" and key == "mesh":
+            continue  # checked when the mesh is built (it must fit the devices)
+        elif isinstance(default, Mapping) and isinstance(value, Mapping):
+            check_values(value, default, f"{name}.")
+        elif default is not None and not _same_kind(default, value):
+            raise _expected(name, value, f"a {type(default).__name__}, like its default {default!r}")
+
+
+def _same_kind(default: Any, value: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, list | tuple):
+        return isinstance(value, list | tuple)
+    return True
+
+
+def check_strategy(strategy: Any) -> None:
+    """Every rule a ``(regex, tactic)`` pair whose regex compiles and whose tactic parses."""
+    if isinstance(strategy, str | bytes | Mapping) or not isinstance(strategy, list | tuple):
+        raise _expected("sharding_strategy", strategy, "a list of (regex, tactic) pairs")
+    for i, rule in enumerate(strategy):
+        if not isinstance(rule, list | tuple) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise ConfigError(f"config.sharding_strategy[{i}] must be a (regex, tactic) pair; got {rule!r}.")
+        try:
+            re.compile(rule[0])
+        except re.error as e:
+            raise ConfigError(
+                f"config.sharding_strategy[{i}] regex {rule[0]!r} does not compile: {e}."
+            ) from e
+        if isinstance(rule[1], str):
+            try:
+                parse_tactic(rule[1])
+            except TacticError as e:
+                raise ConfigError(f"config.sharding_strategy[{i}] ({rule[0]!r}, {rule[1]!r}): {e}") from e
 
 
 def config_mesh(value: Any) -> Mesh:
@@ -108,7 +215,10 @@ def config_mesh(value: Any) -> Mesh:
     if isinstance(value, Mesh):
         return value
     if isinstance(value, str):
-        return mesh_from_string(value)
+        try:
+            return mesh_from_string(value)
+        except MeshError as e:
+            raise ConfigError(f"config.mesh {value!r} does not fit this job's devices: {e}") from e
     raise ConfigError(
         f"config.mesh is a mesh string such as 'fsdp:-1' or a jax.sharding.Mesh; got {value!r}."
     )

@@ -52,16 +52,25 @@ def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int)
                 trainer.stop_reason = "data exhausted"
                 break
             batch = trainer.global_batch(host_batch)
+            # the counters after the step before: ready by the time this one is queued
+            counters = trainer.guard
             metrics = trainer.run_step(batch)
             trainer.step += 1
             run.after_dispatch(metrics, _data.examples(batch), _data.tokens(host_batch), end)
-            if _after_step(trainer, run, eval_data):
+            if _nonfinite_stop(trainer, counters, trainer.step - 1) or _after_step(trainer, run, eval_data):
                 break
+        nonfinite = trainer.stop_reason is not None and trainer.stop_reason.startswith("non-finite")
+        nonfinite = nonfinite or _nonfinite_stop(trainer, trainer.guard, trainer.step)
         trainer.stop_reason = trainer.stop_reason or "finished"
         run.flush()
         preempted = trainer.stop_reason == "preempted"
-        if trainer.checkpointer is not None and (preempted or trainer.config.save_at_end):
-            if trainer.checkpointer.latest_step() != trainer.step:
+        stopped_on_nan = nonfinite and trainer.config.on_nonfinite == "stop"  # nothing of it is saved
+        if (
+            trainer.checkpointer is not None
+            and (preempted or trainer.config.save_at_end)
+            and not stopped_on_nan
+        ):
+            if trainer._last_saved != trainer.step:
                 trainer.save(force=preempted)
     finally:
         run.flush()
@@ -78,6 +87,20 @@ def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int)
     return history
 
 
+def _nonfinite_stop(trainer: Any, guard: Any, step: int) -> bool:
+    """Ends the run when the counters after ``step`` say so (``config.on_nonfinite``); True ends the loop."""
+    if trainer.stop_reason is not None and trainer.stop_reason.startswith("non-finite"):
+        return True
+    verdict = trainer.nonfinite_verdict_of(guard, step)
+    if not verdict.stop:
+        return False
+    trainer.stop_reason = verdict.reason
+    if verdict.resume_step is not None:
+        trainer.step = verdict.resume_step  # the live state is the one before the first bad step
+    logger.error("%s: stopping (config.on_nonfinite=%r)", verdict.reason, trainer.config.on_nonfinite)
+    return True
+
+
 def _after_step(trainer: Any, run: StepLog, eval_data: Any) -> bool:
     """Eval, saves, hooks and stop checks after a step; True ends the loop."""
     step, cfg = trainer.step, trainer.config
@@ -92,6 +115,8 @@ def _after_step(trainer: Any, run: StepLog, eval_data: Any) -> bool:
         trainer.observer.record({"step": step, **trainer.last_eval})
         metrics = {**(metrics or {}), **trainer.last_eval}
     if save:
+        if _nonfinite_stop(trainer, trainer.guard, step):  # never save a step that was not applied
+            return True
         trainer.save(metrics=trainer.last_eval if evaluate else None)
     for fn in hooks:
         fn(step, dict(metrics or {}), trainer)
