@@ -8,7 +8,7 @@ LATEST_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]* 2>/
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest lint install bench clean
+.PHONY: demo test test-latest lint install bench chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,10 +41,14 @@ test-latest: $(LATEST_STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py
 
-BENCHES := infer init reshard resize restore step vit
+BENCHES := infer init reshard resize restore step guard vit
 
 bench: $(STAMP)
 	cd benchmarks && for b in $(BENCHES); do JAX_PLATFORMS=cpu ../$(PY) bench_$$b.py --out results/bench_$$b.json || exit 1; done
+
+# A seeded campaign of kills and damaged checkpoints (100 trials, ~20 min on 2 cores); counts go to RESULTS.md.
+chaos: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) benchmarks/chaos.py --trials $(or $(TRIALS),100)
 
 clean:
 	rm -rf $(VENV) $(LATEST) build *.egg-info

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -18,40 +17,35 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
+from nnx_shard._checkpoint_dir import (
+    move_failed,
+    move_steps,
+    remove_leftovers,
+    remove_unfinished,
+    save_failed,
+    unreadable,
+)
 from nnx_shard._checkpoint_format import (
-    changed_files,
     describe_strategy,
-    leaf_paths,
     mesh_metadata,
-    restore_keys,
     storable,
-    storage_target,
-    structure_problems,
     tree_fingerprints,
     write_file_manifest,
 )
+from nnx_shard._checkpoint_read import CheckpointReads, registry
 from nnx_shard._errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointMismatchError,
     CheckpointSaveError,
     CheckpointWarning,
-    NoCheckpointError,
 )
 from nnx_shard._multihost import barrier_sync
 from nnx_shard._paths import as_state
-from nnx_shard._specs import itemsize
-from nnx_shard._storage_faults import describe, is_storage_error, named, os_error, quiet
+from nnx_shard._storage_faults import is_storage_error, quiet
 from nnx_shard._version import __version__
 from nnx_shard._workdir import set_aside_folder
 
 logger = logging.getLogger("nnx_shard")
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-TMP_MARK = (
-    ".orbax-checkpoint-tmp"  # Orbax writes a step under <step>.orbax-checkpoint-tmp-<n>, then renames it
-)
-# Host bytes a read holds per byte in flight (see Checkpointer._reader).
-READ_AMPLIFICATION = 4
 
 
 @atexit.register
@@ -59,19 +53,6 @@ def _close_open_checkpointers() -> None:
     """Lets background saves finish before the interpreter exits (one hook for all Checkpointers)."""
     for checkpointer in list(_OPEN):
         checkpointer.close()
-
-
-def _registry(restore_bytes: int | None = None) -> Any:
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    impl = None
-    if restore_bytes is not None:  # Orbax's byte limiter for reads, at byte (not GB) granularity
-        impl = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=int(restore_bytes))
-    state, meta = ocp.PyTreeCheckpointHandler(handler_impl=impl), ocp.JsonCheckpointHandler()
-    registry.add("state", ocp.args.PyTreeSave, state)
-    registry.add("state", ocp.args.PyTreeRestore, state)
-    registry.add("meta", ocp.args.JsonSave, meta)
-    registry.add("meta", ocp.args.JsonRestore, meta)
-    return registry
 
 
 def _policy(max_to_keep: int | None, best_metric: str | None, best_mode: str) -> Any:
@@ -88,7 +69,7 @@ def _policy(max_to_keep: int | None, best_metric: str | None, best_mode: str) ->
     return policies.AnyPreservationPolicy([best, policies.LatestN(n=1)])
 
 
-class Checkpointer:
+class Checkpointer(CheckpointReads):
     """Saves and restores a model + optimizer + EMA with Orbax, resharding on restore.
 
     Async by default; keeps the last ``max_to_keep`` steps, or the best
@@ -169,28 +150,13 @@ class Checkpointer:
             self._remove_leftovers()
             with self._storage(None, "opening"):
                 self._manager = ocp.CheckpointManager(
-                    self.directory, options=self._options, handler_registry=_registry()
+                    self.directory, options=self._options, handler_registry=registry()
                 )
         return self._manager
 
     def _remove_leftovers(self) -> None:
-        """Removes the temporary folders an interrupted save left (process 0), with a note."""
-        if jax.process_index() != 0 or not self._exists():
-            return
         with self._storage(None, "opening"):
-            left = sorted(p for p in self.directory.iterdir() if TMP_MARK in p.name)
-            for p in left:
-                p.rmtree() if p.is_dir() else p.unlink()
-        if left:
-            logger.warning(
-                "removed %d temporary folders of interrupted saves in %s: %s",
-                len(left),
-                self.directory,
-                [p.name for p in left],
-            )
-
-    def _exists(self) -> bool:
-        return self.directory.exists()
+            remove_leftovers(self.directory)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -306,24 +272,10 @@ class Checkpointer:
                 if not is_storage_error(e):
                     raise
         with contextlib.suppress(OSError):
-            self._remove_leftovers()
-            if step is not None and jax.process_index() == 0 and (self.directory / str(step)).exists():
-                if step not in self._finished_steps():
-                    (self.directory / str(step)).rmtree()
-        cause = os_error(error)
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else describe(error)
-        return CheckpointSaveError(
-            f"step {step} could not be written to {self.directory} ({what}). The earlier steps are intact; "
-            f"free space or fix the directory's permissions, and the next save writes."
-        )
-
-    def _finished_steps(self) -> list[int]:
-        """Steps whose folder Orbax finalised (its commit marker is there)."""
-        out = []
-        for p in self.directory.iterdir():
-            if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists():
-                out.append(int(p.name))
-        return out
+            remove_leftovers(self.directory)
+            if step is not None:
+                remove_unfinished(self.directory, step)
+        return save_failed(self.directory, step, error)
 
     @contextlib.contextmanager
     def _storage(self, step: int | None, doing: str) -> Iterator[list[str]]:
@@ -345,30 +297,9 @@ class Checkpointer:
                 if doing == "saving":
                     raise self._save_failed(step, e) from e
                 if doing == "setting aside":
-                    raise CheckpointError(
-                        f"steps could not be moved out of {self.directory} ({describe(e)}); nothing was "
-                        f"deleted. Fix the directory's permissions or free space, then start again."
-                    ) from e
-                raise self._unreadable(step, e, hidden) from e
-
-    def _unreadable(self, step: int | None, error: BaseException, hidden: list[str]) -> CheckpointError:
-        denied = os_error(error)
-        if isinstance(denied, PermissionError):
-            return CheckpointError(
-                f"step {step} in {self.directory} cannot be read: permission denied on {denied.filename}. "
-                f"Nothing live was changed; fix the file's permissions."
-            )
-        arrays, files = named(error)
-        parts = [describe(error)]
-        if arrays:
-            parts.insert(0, f"arrays {arrays[:8]}")
-        if files:
-            parts.insert(0, f"files {files[:4]}")
-        if hidden:
-            parts.append(f"{len(hidden)} more reads failed")
-        if step is None:
-            return CheckpointCorruptError(f"{self.directory} could not be opened ({'; '.join(parts)}).")
-        return self._corrupted(step, "; ".join(parts))
+                    raise move_failed(self.directory, e) from e
+                others = [s for s in self.all_steps() if s != step] if step is not None else []
+                raise unreadable(self.directory, step, e, hidden, others) from e
 
     def set_aside(self, steps: Sequence[int], *, kind: str, why: str) -> Any:
         """Moves ``steps`` out of the directory (never deleted) so that no restore picks them again.
@@ -381,9 +312,7 @@ class Checkpointer:
         folder = set_aside_folder(self.directory, kind)
         if jax.process_index() == 0 and steps:
             with self._storage(None, "setting aside"):
-                folder.mkdir(parents=True, exist_ok=True)
-                for step in steps:
-                    (self.directory / str(step)).rename(folder / str(step))
+                move_steps(self.directory, steps, folder)
         barrier_sync(f"nnx_shard/set_aside/{kind}", timeout=self.barrier_timeout)
         self._saved_items = {k: v for k, v in self._saved_items.items() if k not in steps}
         for reader in self._budgeted.values():
@@ -395,13 +324,6 @@ class Checkpointer:
                 stacklevel=3,
             )
         return folder
-
-    def all_steps(self) -> list[int]:
-        """The steps on disk, oldest first (empty when the directory does not exist)."""
-        if not self._exists():
-            return []
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -417,195 +339,6 @@ class Checkpointer:
             if value is not None:
                 scored.append((float(value) if self.best_mode == "min" else -float(value), step))
         return min(scored)[1] if scored else None
-
-    def metadata(self, step: int) -> dict[str, Any]:
-        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
-        self._check_step(step)
-        with self._storage(step, "reading"):
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        if not isinstance(meta, Mapping):
-            raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
-        return dict(meta)
-
-    def items(self, step: int) -> list[str]:
-        """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
-        if step not in self._saved_items:
-            self._saved_items[step] = sorted(self._saved_tree(step))
-        return self._saved_items[step]
-
-    def _saved_tree(self, step: int) -> Any:
-        """The saved state's tree metadata (``state/_METADATA``), read as a storage fault would be reported."""
-        with self._storage(step, "reading"):
-            tree = self.manager.metadata(step).item_metadata["state"]
-        if not tree:
-            raise self._corrupted(
-                step, "the state item has no metadata (state/_METADATA is missing or empty)"
-            )
-        return tree
-
-    def _check_step(self, step: int | None) -> int:
-        steps = self.all_steps()
-        if not steps:
-            where = "" if self._exists() else " (the directory does not exist)"
-            raise NoCheckpointError(
-                f"no checkpoint in {self.directory}{where}; save one first, or check the path."
-            )
-        if step is None:
-            return max(steps)
-        if step not in steps:
-            raise NoCheckpointError(
-                f"no checkpoint for step {step} in {self.directory}; the steps there are {steps}."
-            )
-        return step
-
-    def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
-        """Raises CheckpointMismatchError naming the paths and shapes that differ.
-
-        With ``items`` (a partial restore), only the saved leaves under those
-        top-level keys are compared; within them the structure must match exactly.
-        """
-        with self._storage(step, "reading"):
-            changed = changed_files(self.directory / str(step)) if self.verify else []
-        if changed:
-            raise self._corrupted(
-                step, f"{len(changed)} of its files differ from when it was saved: {changed[:8]}"
-            )
-        saved_tree = self._saved_tree(step)
-        self._saved_items[step] = sorted(saved_tree)
-        saved = leaf_paths(saved_tree)
-        wanted = {p: v for p, v in leaf_paths(storage_target(target)[0]).items() if hasattr(v, "shape")}
-        parts = structure_problems(saved, wanted, items)
-        if parts:
-            raise CheckpointMismatchError(
-                f"step {step} in {self.directory} holds another structure than the state restored into; "
-                + "; ".join(parts)
-                + ". Build the model, optimizer and EMA with the config they were saved with."
-            )
-
-    def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
-        """The step to read (default: the latest), once it exists and matches ``target``'s structure.
-
-        Raises:
-          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
-        """
-        step = self._check_step(step)
-        self.check_structure(step, target, items=items)
-        return step
-
-    def _reader(self, max_host_bytes: int | None, target: Any) -> ocp.CheckpointManager:
-        """Orbax's reader, with a byte limiter when the read's host memory is bounded.
-
-        A shard in flight is held about four times over on the host (TensorStore's
-        read buffer, the decoded array, the copy into device memory, and what the
-        allocator keeps): measured peak RSS above the state was 1.5-2x Orbax's
-        limit plus ~90 MB of fixed overhead. So Orbax gets a quarter of the
-        budget, and never less than the largest shard, which must be read whole.
-        """
-        if max_host_bytes is None:
-            return self.manager
-        if max_host_bytes <= 0:
-            raise CheckpointError(
-                f"max_host_bytes must be a positive number of bytes; got {max_host_bytes!r}."
-            )
-        largest = max(
-            (
-                math.prod(x.sharding.shard_shape(x.shape)) * itemsize(x.dtype)
-                for x in jax.tree.leaves(target)
-                if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
-            ),
-            default=0,
-        )
-        limit = max(
-            max_host_bytes // READ_AMPLIFICATION, largest + 2**20
-        )  # Orbax needs room for a whole shard
-        if largest * READ_AMPLIFICATION > max_host_bytes:
-            logger.warning(
-                "max_host_bytes=%d is below what reading the largest shard takes (about %d bytes); reading one shard at a time",
-                max_host_bytes,
-                largest * READ_AMPLIFICATION,
-            )
-        if limit not in self._budgeted:
-            self._budgeted[limit] = ocp.CheckpointManager(
-                self.directory, options=self._options, handler_registry=_registry(limit)
-            )
-        return self._budgeted[limit]
-
-    def read(
-        self, step: int, target: Any, *, partial: bool = False, max_host_bytes: int | None = None
-    ) -> tuple[Any, dict[str, Any]]:
-        """Reads a :meth:`validate`-d step straight into ``target``'s shardings: ``(states, metadata)``.
-
-        With ``partial``, only the leaves in ``target`` are read. Typed PRNG keys
-        come back as keys. When the checkpoint carries fingerprints (and
-        ``verify`` is on), the restored arrays are checked against them.
-        ``max_host_bytes`` bounds the bytes Orbax holds in host memory for
-        reads in flight at once (its restore byte limiter).
-
-        Raises:
-          CheckpointCorruptError: the data cannot be read, or differs from what
-            was saved (the arrays are named); nothing live is touched.
-        """
-        stored, keys = storage_target(target)
-        with self._storage(step, "reading"):
-            out = self._reader(max_host_bytes, stored).restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        stored,
-                        restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
-                        partial_restore=partial,
-                    ),
-                    meta=ocp.args.JsonRestore(),
-                ),
-            )
-        states, meta = out["state"], out["meta"]
-        if not isinstance(meta, Mapping):
-            raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
-        meta = dict(meta)
-        if self.verify and "fingerprints" in meta:
-            self._verify(step, states, meta["fingerprints"])
-        return restore_keys(states, meta.get("prng_keys", {}), keys), meta
-
-    def _verify(self, step: int, states: Any, saved: dict[str, str]) -> None:
-        start = time.perf_counter()
-        got = tree_fingerprints(states)
-        differ = sorted(p for p, fp in got.items() if p in saved and saved[p] != fp)
-        logger.info("verified %d arrays of step %d in %.3f s", len(got), step, time.perf_counter() - start)
-        if differ:
-            for x in jax.tree.leaves(states):  # drop what was read; nothing live holds it
-                if isinstance(x, jax.Array):
-                    x.delete()
-            listed = f"{differ[:8]}{' ...' if len(differ) > 8 else ''}"
-            raise self._corrupted(
-                step, f"the content of {len(differ)} arrays differs from what was saved: {listed}"
-            )
-
-    def _corrupted(self, step: int, what: str) -> CheckpointCorruptError:
-        others = [s for s in self.all_steps() if s != step]
-        return CheckpointCorruptError(
-            f"step {step} in {self.directory} could not be read ({what}); it is incomplete or "
-            f"corrupted. Nothing live was changed. Other steps: {others}."
-        )
-
-    def restore(
-        self, step: int | None, target: Any, *, items: Sequence[str] | None = None
-    ) -> tuple[int, Any, dict[str, Any]]:
-        """Validates and reads ``step`` (default: the latest) straight into ``target``'s shardings.
-
-        Args:
-          step: the step, or None for the latest.
-          target: :func:`abstract_target` output: abstract arrays with shardings.
-          items: restore only these top-level items (``target`` holds just them).
-
-        Returns:
-          ``(step, states, metadata)``; nothing live is touched.
-
-        Raises:
-          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
-        """
-        step = self.validate(step, target, items=items)
-        states, meta = self.read(step, target, partial=items is not None)
-        return step, states, meta
 
     def close(self) -> None:
         """Waits for a background save and releases Orbax's resources (idempotent)."""

@@ -243,3 +243,25 @@ def changed_files(step_dir: Any) -> list[str]:
         if not f.exists() or zlib.crc32(f.read_bytes()) != crc:
             changed.append(name)
     return changed
+
+
+JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "meta/metadata", MANIFEST)
+
+
+def unreadable_json(step_dir: Any) -> list[str]:
+    """The JSON files Orbax reads from a step that are missing, empty or do not parse (for naming a decode error)."""
+    bad = []
+    candidates = [step_dir / name for name in JSON_FILES]
+    metadatas = step_dir / "state" / "array_metadatas"
+    if metadatas.exists():
+        candidates += sorted(metadatas.iterdir())
+    for f in candidates:
+        name = str(f.relative_to(step_dir))
+        try:
+            json.loads(f.read_text())
+        except FileNotFoundError:
+            if name != MANIFEST:
+                bad.append(f"{name} (missing)")
+        except (OSError, ValueError):
+            bad.append(name)
+    return bad

@@ -77,6 +77,24 @@ def os_error(error: BaseException) -> OSError | None:
     return next((e for e in chain(error) if isinstance(e, OSError)), None)
 
 
+_OS_CODE = re.compile(r":\s*([^:\[]+?)\s*\[os_error_code='?(\d+)'?\]")
+
+
+def os_reason(error: BaseException) -> str | None:
+    """The operating system's reason in a chain: an OSError's, or the one TensorStore quotes (``File too large``).
+
+    >>> os_reason(ValueError("OUT_OF_RANGE: Failed to write 10 bytes to file 8: File too large [os_error_code='27']"))
+    'File too large (errno 27)'
+    """
+    for e in chain(error):
+        if isinstance(e, OSError) and e.strerror:
+            return f"{e.strerror} (errno {e.errno})" + (f": {e.filename}" if e.filename else "")
+        m = _OS_CODE.search(str(e))
+        if m:
+            return f"{m.group(1).strip()} (errno {m.group(2)})"
+    return None
+
+
 def describe(error: BaseException) -> str:
     """The most specific line of the chain: TensorStore's status line, else the first line of the error."""
     best = None

@@ -149,7 +149,7 @@ def run(workdir: str, kill: str = "none", seed: int = 0) -> dict:
     trainer.train(batch_for)
     return {
         "digest": digest(trainer),
-        "restored": trainer._restored_step,
+        "restored": trainer.restored_step,
         "step": trainer.step,
         "stop_reason": trainer.stop_reason,
         "seconds": time.perf_counter() - start,

@@ -34,6 +34,8 @@ LAYERS = {
     "_workdir": 1,
     "_reshard": 7,
     "_checkpoint_format": 7,
+    "_checkpoint_dir": 7,
+    "_checkpoint_read": 7,
     "_checkpoint": 7,
     "_resize": 7,
     "_hooks": 8,

@@ -61,6 +61,11 @@ def check_resize(result):
     assert ours["cold"]["to_4"]["fullest_device_after_bytes"] == ours["cold"]["to_4"]["plan_bytes_per_device"]
 
 
+def check_guard(r):
+    assert r["step_ms_with_check"] > 0 and r["step_ms_without_check"] > 0 and r["ratio"] > 0
+    assert r["temp_bytes_with_check"] is not None
+
+
 def check_step(result):
     assert result["trainer_step_ms"] > 0 and result["hand_jit_step_ms"] > 0
 
@@ -81,6 +86,7 @@ BENCHMARKS = {
     "reshard": check_reshard,
     "resize": check_resize,
     "step": check_step,
+    "guard": check_guard,
     "restore": check_restore,
     "vit": check_vit,
 }

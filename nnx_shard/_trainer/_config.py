@@ -72,6 +72,15 @@ def base_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(DEFAULTS)
 
 
+def default_config() -> ml_collections.ConfigDict:
+    """The base Trainer's settings (``Trainer.default_config()``).
+
+    >>> default_config().mesh
+    'fsdp:-1'
+    """
+    return base_config()
+
+
 def _check_keys(defaults: Mapping[str, Any], given: Mapping[str, Any], where: str) -> None:
     for key, value in given.items():
         if key not in defaults:

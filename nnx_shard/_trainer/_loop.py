@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._trainer import _data
+from nnx_shard._trainer import _data, _guard
 
 logger = logging.getLogger("nnx_shard")
 
@@ -70,7 +70,7 @@ def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int)
             and (preempted or trainer.config.save_at_end)
             and not stopped_on_nan
         ):
-            if trainer._last_saved != trainer.step:
+            if trainer.lineage.last_saved != trainer.step:
                 trainer.save(force=preempted)
     finally:
         run.flush()
@@ -91,7 +91,8 @@ def _nonfinite_stop(trainer: Any, guard: Any, step: int) -> bool:
     """Ends the run when the counters after ``step`` say so (``config.on_nonfinite``); True ends the loop."""
     if trainer.stop_reason is not None and trainer.stop_reason.startswith("non-finite"):
         return True
-    verdict = trainer.nonfinite_verdict_of(guard, step)
+    cfg = trainer.config
+    verdict = _guard.read(guard, step, cfg.on_nonfinite, cfg.max_consecutive_nonfinite)
     if not verdict.stop:
         return False
     trainer.stop_reason = verdict.reason

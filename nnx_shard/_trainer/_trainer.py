@@ -3,31 +3,31 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from nnx_shard._checkpoint import Checkpointer
 from nnx_shard._checkpoint_format import RestoreReport
-from nnx_shard._errors import CheckpointCorruptError, CheckpointExistsError, ConfigError
+from nnx_shard._errors import ConfigError
 from nnx_shard._hooks import ShardingHooks
 from nnx_shard._mesh import mesh_from_string
 from nnx_shard._multihost import data_sharding, host_local_to_global
 from nnx_shard._resize import ResizeReport
-from nnx_shard._trainer import _data, _guard
+from nnx_shard._trainer import _data
 from nnx_shard._trainer._config import base_config, compute_mesh, config_mesh, merge_config
+from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._loop import run_training
 from nnx_shard._trainer._norm import global_norm
 from nnx_shard._trainer._observe import Observer, compile_seconds, injected_learning_rate
-from nnx_shard._workdir import WorkdirLock
+from nnx_shard._trainer._step import CompiledSteps
 
 logger = logging.getLogger("nnx_shard")
 Hook = Callable[[int, dict[str, float], "Trainer"], Any]
@@ -109,9 +109,7 @@ class Trainer:
         self.stop_reason: str | None = None
         self.last_eval: dict[str, float] = {}
         self.timings: collections.Counter[str] = collections.Counter()
-        self._graphdefs: dict[str, Any] = {}
-        self._steps: dict[Any, Any] = {}
-        self._first_signature: Any = None
+        self._steps = CompiledSteps(self.hooks, self.train_step, self.config.on_nonfinite)
         self._eval_fn: Any = None
         self._user_hooks: list[tuple[Hook, int]] = []
         self._data_states: list[Any] | None = None
@@ -120,13 +118,7 @@ class Trainer:
         self._resumed = False
         self._preempted = False
         self._param_shardings: dict[str, Any] | None = None
-        self._guard: dict[str, Any] | None = None  # non-finite step counters, on the devices
-        self._restored_step: int | None = None
-        self._branch_open = (
-            False  # after a restore: newer steps belong to another run, set aside at the first save
-        )
-        self._workdir_checked = False
-        self._last_saved: int | None = None
+        self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
         compile_seconds()  # start listening to JAX's compile events
 
     # -- what a subclass gives ------------------------------------------------
@@ -214,7 +206,7 @@ class Trainer:
         if self.hooks.initialized:
             return
         objects = self.hooks.on_init(self._create)
-        self._graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+        self._steps.graphdefs.update({k: nnx.graphdef(v) for k, v in objects.items()})
 
     @property
     def states(self) -> dict[str, Any]:
@@ -233,58 +225,20 @@ class Trainer:
         self.init()
         return self.hooks.objects
 
-    def _step_fn(self) -> Callable[..., Any]:
-        graphdefs, mode = self._graphdefs, self.config.on_nonfinite
-
-        def step(
-            states: dict[str, Any], guard: dict[str, Any], batch: Any
-        ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-            old = jax.tree.map(lambda x: x, states)  # the values given: merged Variables are updated in place
-            objects = {k: nnx.merge(graphdefs[k], states[k]) for k in states}
-            metrics = self.train_step(objects["model"], objects["optimizer"], objects.get("ema"), batch)
-            new = {k: nnx.state(v) for k, v in objects.items()}
-            new, guard = _guard.guarded(new, old, guard, metrics, mode)
-            return new, guard, {**metrics, "skipped_steps": guard["skipped"]}
-
-        return step
-
     def compiled_step(self, batch: Any) -> Any:
-        """The jitted step for this batch's signature: state shardings in and out, the state donated.
+        """The jitted step for this batch's signature: ``(states, counters, batch) -> (states, counters, metrics)``.
 
-        It takes and returns ``(states, guard, batch)`` / ``(states, guard,
-        metrics)``: ``guard`` holds the non-finite step counters (see
-        ``config.on_nonfinite``); a step whose loss or gradient norm is not
-        finite returns the state it was given.
+        The state is donated; ``counters`` are the non-finite step counters
+        (see ``config.on_nonfinite`` and :attr:`guard`).
         """
         self.init()
-        sig = _data.signature(batch)
-        _data.check_structure(self._first_signature, sig)
-        self._first_signature = self._first_signature or sig
-        if sig not in self._steps:
-            shardings = self.hooks.shardings
-            replicated = NamedSharding(self.hooks.mesh, PartitionSpec())
-            self._steps[sig] = jax.jit(
-                self._step_fn(),
-                in_shardings=(
-                    shardings,
-                    replicated,
-                    jax.tree.map(lambda _: data_sharding(self.hooks.mesh), batch),
-                ),
-                out_shardings=(shardings, replicated, replicated),
-                donate_argnums=0,  # not the counters: the loop reads the previous step's after the next is dispatched
-            )
-        return self._steps[sig]
+        return self._steps.get(batch)
 
     @property
     def guard(self) -> dict[str, Any]:
         """The non-finite step counters on the devices: ``bad`` (in a row) and ``skipped`` (in all)."""
-        if self._guard is None:
-            self._guard = _guard.new_guard(self.hooks.mesh)
-        return self._guard
-
-    def nonfinite_verdict_of(self, guard: dict[str, Any], step: int) -> _guard.Verdict:
-        """Whether the non-finite counters ``guard`` (after ``step``) end the run."""
-        return _guard.read(guard, step, self.config.on_nonfinite, self.config.max_consecutive_nonfinite)
+        self.init()
+        return self._steps.counters
 
     def run_step(self, batch: Any) -> Any:
         """Runs one step on a global batch, updating the state the hooks own; returns the metrics.
@@ -292,11 +246,10 @@ class Trainer:
         The first step of a batch signature compiles; JAX's own compile-time
         events say how long, and that goes out as a ``compile`` event.
         """
-        fresh = _data.signature(batch) not in self._steps
-        step = self.compiled_step(batch)
+        self.init()
+        fresh = not self._steps.is_compiled(batch)
         before = compile_seconds()
-        states, self._guard, metrics = step(self.hooks.states(), self.guard, batch)
-        self.hooks.update(states)
+        metrics = self._steps.run(batch)
         if fresh:
             shapes = str([s for s, _ in _data.signature(batch)[1]])
             self._event("compile", compile_seconds() - before, shapes=shapes)
@@ -317,70 +270,14 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------
 
     def _maybe_resume(self) -> None:
-        """``resume="auto"``: restores the newest step that reads and verifies, setting aside newer ones that fail."""
-        if self.config.resume != "auto" or self._resumed or self.checkpointer is None:
-            return
-        self._resumed = True
-        failed: list[tuple[int, CheckpointCorruptError]] = []
-        for step in reversed(self.checkpointer.all_steps()):
-            if step <= self.step:
-                break
-            try:
-                self.restore_and_reshard(step)
-            except CheckpointCorruptError as e:
-                logger.warning("step %d does not restore; trying the one before: %s", step, e)
-                failed.append((step, e))
-                continue
-            if failed:  # never tried again by a later restart; kept for a post-mortem
-                self.checkpointer.set_aside(
-                    [s for s, _ in failed],
-                    kind="rejected",
-                    why=f"they did not read or verify; step {step} was restored instead ("
-                    + "; ".join(f"step {s}: {e}" for s, e in failed)
-                    + ")",
-                )
-            return
-        if failed:
-            raise CheckpointCorruptError(
-                f"resume='auto' found no step in {self.checkpointer.directory} that reads and verifies, "
-                f"so the run does not start: "
-                + "; ".join(f"step {s}: {e}" for s, e in failed)
-                + ". Move the damaged steps away to start from scratch, or restore one by hand."
-            ) from failed[0][1]
+        if self.config.resume == "auto" and not self._resumed and self.checkpointer is not None:
+            self._resumed = True
+            self.lineage.resume_newest(self.restore_and_reshard, after=self.step)
 
-    def _check_workdir(self) -> None:
-        """A run that did not resume never saves over another run's checkpoints."""
-        if self.checkpointer is None or self._workdir_checked:
-            return
-        self._workdir_checked = True
-        if self._restored_step is not None:
-            return
-        steps = self.checkpointer.all_steps()
-        if not steps:
-            return
-        if self.config.overwrite:
-            self.checkpointer.set_aside(
-                steps, kind="overwritten", why="config overwrite=True: this run starts afresh"
-            )
-            return
-        raise CheckpointExistsError(
-            f"workdir {self.workdir} already holds checkpoints of another run (steps {steps}), and this run "
-            f"does not resume from them. Resume with config resume='auto' (or call restore_and_reshard), use "
-            f"another workdir, or set config overwrite=True to set them aside (moved, not deleted) and start "
-            f"afresh. Nothing in the workdir was touched."
-        )
-
-    @contextlib.contextmanager
-    def _workdir_lock(self) -> Iterator[None]:
-        """Holds the workdir's lock for one ``train()`` call (process 0 holds it for all)."""
-        if self.workdir is None or jax.process_index() != 0:
-            yield
-            return
-        lock = WorkdirLock(self.workdir, stale_after=self.config.lock_stale_after).acquire()
-        try:
-            yield
-        finally:
-            lock.release()
+    @property
+    def restored_step(self) -> int | None:
+        """The step this run resumed from (None when it started afresh)."""
+        return self.lineage.restored_step
 
     def train(
         self,
@@ -407,9 +304,9 @@ class Trainer:
           ``preempted``, ``data exhausted`` or ``stopped: <reason>``.
         """
         self.init()
-        with self._workdir_lock():
+        with self.lineage.lock():
             self._maybe_resume()
-            self._check_workdir()
+            self.lineage.check_fresh(overwrite=self.config.overwrite)
             end = self.step + steps if steps is not None else self.config.total_steps
             resume = _data.state_for_this_process(self._data_states) if not callable(data) else None
             self._batches = batches = _data.Batches(data, resume)
@@ -424,7 +321,7 @@ class Trainer:
         """
         self.init()
         if self._eval_fn is None:
-            graphdef = self._graphdefs["model"]
+            graphdef = self._steps.graphdefs["model"]
 
             def run(model_state: Any, ema_params: Any, batch: Any) -> dict[str, Any]:
                 model = nnx.merge(graphdef, model_state)
@@ -463,16 +360,7 @@ class Trainer:
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
         self.init()
-        if self._branch_open:
-            self._branch_open = False
-            newer = [s for s in self.checkpointer.all_steps() if s > (self._restored_step or 0)]
-            if newer:
-                self.checkpointer.set_aside(
-                    newer,
-                    kind="abandoned",
-                    why=f"this run restored step {self._restored_step} and trains on from there; the newer "
-                    f"steps belong to the run it branched from",
-                )
+        self.lineage.before_save()
         extra = {}
         if self._batches is not None and self._batches.resumable:
             extra["data_state"] = _data.gather_states(self._batches.state())
@@ -491,7 +379,7 @@ class Trainer:
                 "save_skipped", 0.0, self.step, reason=self.checkpointer.last_skip_reason or "not written"
             )
             return False
-        self._last_saved = self.step
+        self.lineage.saved(self.step)
         self._event("save", time.perf_counter() - start, **({"metrics": metrics} if metrics else {}))
         return True
 
@@ -515,10 +403,9 @@ class Trainer:
         new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
         report = self.hooks.on_mesh_change(compute_mesh(new), donate=donate)
         self.mesh = new
-        self._steps.clear()  # compiled for the old shardings
+        self._steps.reset()  # compiled for the old shardings
         self._eval_fn = None
         self._param_shardings = None
-        self._guard = None
         self._event("resize", report.seconds, report=str(report))
         return report
 
@@ -554,20 +441,9 @@ class Trainer:
             max_host_bytes=max_host_bytes or self.config.max_host_bytes or None,
         )
         self.step = report.step
-        self._restored_step = report.step
-        self._branch_open = True  # steps newer than this one are set aside at the first save
-        self._guard = None
-        self._last_saved = report.step
+        self.lineage.restored(report.step)
+        self._steps.reset_counters()
         self._data_states = report.saved.get("data_state")
         self._resumed = True
         self._event("restore", time.perf_counter() - start, report=str(report))
         return report
-
-
-def default_config() -> ml_collections.ConfigDict:
-    """The base Trainer's settings (``Trainer.default_config()``).
-
-    >>> default_config().mesh
-    'fsdp:-1'
-    """
-    return Trainer.default_config()

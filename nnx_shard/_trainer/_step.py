@@ -1,0 +1,94 @@
+"""The compiled train step: one jitted program per batch signature, the state donated, non-finite steps not applied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nnx_shard._hooks import ShardingHooks
+from nnx_shard._multihost import data_sharding
+from nnx_shard._trainer import _data, _guard
+
+TrainStep = Callable[[nnx.Module, nnx.Optimizer, "nnx.EMA | None", Any], dict[str, Any]]
+
+
+class CompiledSteps:
+    """Jitted steps by batch signature over the hooks' shardings, with the non-finite counters beside the state.
+
+    A step takes and returns ``(states, counters, batch)`` / ``(states,
+    counters, metrics)``. A step whose loss or gradient norm is not finite
+    returns the state it was given (``mode`` ``"stop"`` also holds every later
+    step); see :mod:`nnx_shard._trainer._guard`. The counters are not donated:
+    the loop reads the previous step's after the next is dispatched.
+    """
+
+    def __init__(self, hooks: ShardingHooks, train_step: TrainStep, mode: str):
+        self.hooks, self.train_step, self.mode = hooks, train_step, mode
+        self.graphdefs: dict[str, Any] = {}
+        self._compiled: dict[Any, Any] = {}
+        self._first_signature: Any = None
+        self._counters: dict[str, Any] | None = None
+
+    def reset(self) -> None:
+        """After a resize: recompile for the new shardings, counters back to zero on the new mesh."""
+        self._compiled.clear()
+        self._counters = None
+
+    def reset_counters(self) -> None:
+        """After a restore: the restored state is finite and applied; nothing is pending."""
+        self._counters = None
+
+    def is_compiled(self, batch: Any) -> bool:
+        return _data.signature(batch) in self._compiled
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        """The non-finite step counters on the devices: ``bad`` (in a row) and ``skipped`` (in all)."""
+        if self._counters is None:
+            self._counters = _guard.new_guard(self.hooks.mesh)
+        return self._counters
+
+    def _fn(self) -> Callable[..., Any]:
+        graphdefs, mode, train_step = self.graphdefs, self.mode, self.train_step
+
+        def step(
+            states: dict[str, Any], counters: dict[str, Any], batch: Any
+        ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+            old = jax.tree.map(lambda x: x, states)  # the values given: merged Variables are updated in place
+            objects = {k: nnx.merge(graphdefs[k], states[k]) for k in states}
+            metrics = train_step(objects["model"], objects["optimizer"], objects.get("ema"), batch)
+            new = {k: nnx.state(v) for k, v in objects.items()}
+            new, counters = _guard.guarded(new, old, counters, metrics, mode)
+            return new, counters, {**metrics, "skipped_steps": counters["skipped"]}
+
+        return step
+
+    def get(self, batch: Any) -> Any:
+        """The jitted step for this batch's signature (compiled on first use; a changed structure raises)."""
+        sig = _data.signature(batch)
+        _data.check_structure(self._first_signature, sig)
+        self._first_signature = self._first_signature or sig
+        if sig not in self._compiled:
+            shardings = self.hooks.shardings
+            replicated = NamedSharding(self.hooks.mesh, PartitionSpec())
+            self._compiled[sig] = jax.jit(
+                self._fn(),
+                in_shardings=(
+                    shardings,
+                    replicated,
+                    jax.tree.map(lambda _: data_sharding(self.hooks.mesh), batch),
+                ),
+                out_shardings=(shardings, replicated, replicated),
+                donate_argnums=0,
+            )
+        return self._compiled[sig]
+
+    def run(self, batch: Any) -> Any:
+        """Runs one step on a global batch, updating the state the hooks own; returns the metrics."""
+        states, self._counters, metrics = self.get(batch)(self.hooks.states(), self.counters, batch)
+        self.hooks.update(states)
+        return metrics
