@@ -1,11 +1,15 @@
 """What the non-finite check costs a step: the Trainer's step with it against the same step without it.
 
 Question: does not applying a NaN/Inf step (``config.on_nonfinite``) slow the step down? The
-check reads the loss and the global gradient norm the step computes anyway, and selects
-between the new and the given state inside the same program. Both Trainers are identical but
-for the check (the unguarded one is traced with the selection replaced by the new state);
-they run in alternating rounds in one process. Target: ratio <= 1.02. XLA's compiled
-``memory_analysis()`` says whether the selection needs more temporary memory.
+check reads the loss and the global gradient norm the step computes anyway. Three Trainers,
+identical but for the check, run in alternating rounds in one process:
+
+- ``cond``: the default step, its update under a ``cond`` (``Trainer.apply_gradients``);
+- ``none``: no check at all (the update applied directly, nothing selected);
+- ``select``: a ``train_step`` override that updates by itself, so the step selects between
+  the new and the given state (the fallback for such overrides).
+
+Target: cond / none <= 1.02. XLA's compiled ``memory_analysis()`` gives each one's temporaries.
 
     python benchmarks/bench_guard.py [--smoke]
 """
@@ -24,6 +28,7 @@ simulate_devices(8)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_step import STRATEGY, Bench  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import nnx_shard as ns  # noqa: E402
 from nnx_shard._trainer import _guard  # noqa: E402
@@ -34,8 +39,18 @@ def unguarded(new, old, guard, metrics, mode):
     return new, guard
 
 
-def build(width, depth, rows, *, guard: bool):
-    trainer = Bench(
+class SelfUpdating(Bench):
+    """A train_step override that updates by itself (no apply_gradients): the select fallback."""
+
+    def train_step(self, model, optimizer, ema, batch):
+        loss, grads = nnx.value_and_grad(lambda m: self.loss_fn(m, batch))(model)
+        optimizer.update(model, grads)
+        ema.update(model)
+        return {"loss": loss, "grad_norm": self.grad_norm(grads)}
+
+
+def build(width, depth, rows, *, variant: str):
+    trainer = (Bench if variant == "cond" else SelfUpdating)(
         {
             "mesh": "fsdp:8",
             "sharding_strategy": STRATEGY,
@@ -52,7 +67,7 @@ def build(width, depth, rows, *, guard: bool):
     host = {k: rng.normal(size=(rows, width)).astype(np.float32) for k in ("x", "y")}
     batch = ns.host_local_to_global(host, trainer.mesh)
     original = _guard.guarded
-    if not guard:
+    if variant == "none":
         _guard.guarded = unguarded
     try:
         trainer.train(lambda s: batch, steps=1)  # traces and compiles now
@@ -69,26 +84,26 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     width, depth, rows, steps, rounds = (64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9)
-    guarded, batch, mem_on = build(width, depth, rows, guard=True)
-    plain, _, mem_off = build(width, depth, rows, guard=False)
-    times = {"on": [], "off": []}
-    for _ in range(rounds):  # alternate, so machine noise hits both alike
-        for name, trainer in (("on", guarded), ("off", plain)):
+    built = {v: build(width, depth, rows, variant=v) for v in ("cond", "none", "select")}
+    times = {v: [] for v in built}
+    for _ in range(rounds):  # alternate, so machine noise hits all alike
+        for name, (trainer, batch, _) in built.items():
             t = time.perf_counter()
-            trainer.train(lambda s: batch, steps=steps)
+            trainer.train(lambda s, b=batch: b, steps=steps)
             jax.block_until_ready(trainer.states)
             times[name].append((time.perf_counter() - t) / steps)
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    ms = {v: statistics.median(t) * 1e3 for v, t in times.items()}
     result = {
         "benchmark": "bench_guard",
         "machine": machine(),
-        "params": sum(x.size for x in jax.tree.leaves(guarded.states["model"])),
-        "step_ms_with_check": round(1e3 * on, 3),
-        "step_ms_without_check": round(1e3 * off, 3),
-        "ratio": round(on / off, 3),
+        "params": sum(x.size for x in jax.tree.leaves(built["cond"][0].states["model"])),
+        "step_ms_cond": round(ms["cond"], 3),
+        "step_ms_no_check": round(ms["none"], 3),
+        "step_ms_select": round(ms["select"], 3),
+        "ratio": round(ms["cond"] / ms["none"], 3),
+        "ratio_select": round(ms["select"] / ms["none"], 3),
         "target_ratio": 1.02,
-        "temp_bytes_with_check": getattr(mem_on, "temp_size_in_bytes", None),
-        "temp_bytes_without_check": getattr(mem_off, "temp_size_in_bytes", None),
+        **{f"temp_bytes_{v}": getattr(m, "temp_size_in_bytes", None) for v, (_, _, m) in built.items()},
     }
     write_json(result, args.out)
 

@@ -34,7 +34,8 @@ def main() -> None:
         results, counts = campaign(Path(tmp), trials=args.trials, seed=args.seed)
     counts["seconds"] = round(time.perf_counter() - start, 1)
     by_kind = collections.Counter(
-        f"{r['trial'].split(' ')[0]} {r['trial'].split(' ')[1]}: {r['outcome']}" for r in results
+        f"{' '.join(r['trial'].split(' ')[:2])}{' (every step)' if 'every step' in r['trial'] else ''}: {r['outcome']}"
+        for r in results
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(

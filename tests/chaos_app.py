@@ -215,14 +215,22 @@ def kill_trial(tmp: Path, point: str, seed: int, reference: str) -> dict:
     }
 
 
-def damage_trial(tmp: Path, finished: Path, kind: str, seed: int, reference: str) -> dict:
-    workdir = tmp / f"damage-{kind}-{seed}"
+def damage_trial(
+    tmp: Path, finished: Path, kind: str, seed: int, reference: str, *, every_step: bool = False
+) -> dict:
+    """Damages the newest step (or every step) of a finished run and restarts it with ``resume="auto"``.
+
+    With one step damaged the restart must recover from the one before; with
+    every step damaged it must stop with a named error rather than start over.
+    """
+    workdir = tmp / f"damage-{kind}-{seed}-{'all' if every_step else 'newest'}"
     shutil.copytree(finished, workdir)
     steps = usable_steps(workdir)
-    damage(workdir / "checkpoints" / str(steps[-1]), kind)
-    (workdir / "nnx_shard.lock").unlink(missing_ok=True)
+    for step in steps if every_step else steps[-1:]:
+        damage(workdir / "checkpoints" / str(step), kind)
     restart = _worker(workdir, "none", seed)
-    return {"trial": f"damage {kind} of step {steps[-1]}", **_outcome(restart, reference, True)}
+    what = f"every step {steps}" if every_step else f"step {steps[-1]}"
+    return {"trial": f"damage {kind} of {what}", **_outcome(restart, reference, True)}
 
 
 def _outcome(restart: dict, reference: str, had_usable: bool) -> dict:
@@ -244,17 +252,19 @@ def campaign(tmp: Path, *, trials: int | None = None, seed: int = 0) -> tuple[li
     reference = ref["out"]["digest"]
     rng = random.Random(seed)
     plan = [("kill", p, 0) for p in KILL_POINTS[1:]] + [("damage", k, 0) for k in DAMAGE]
+    plan.append(("damage_all", "truncate_data", 0))
     if trials is not None:
+        kinds = ["kill", "damage", "damage", "damage_all"]
         plan = plan + [
-            (rng.choice(["kill", "damage"]), None, rng.randrange(10**6))
-            for _ in range(max(0, trials - len(plan)))
+            (rng.choice(kinds), None, rng.randrange(10**6)) for _ in range(max(0, trials - len(plan)))
         ]
     results = []
     for what, name, s in plan:
         if what == "kill":
             results.append(kill_trial(tmp, name or rng.choice(KILL_POINTS[1:]), s, reference))
         else:
-            results.append(damage_trial(tmp, finished, name or rng.choice(sorted(DAMAGE)), s, reference))
+            kind = name or rng.choice(sorted(DAMAGE))
+            results.append(damage_trial(tmp, finished, kind, s, reference, every_step=what == "damage_all"))
     counts = {
         "trials": len(results),
         "recovered_bitwise": sum(r["outcome"] == "recovered" for r in results),

@@ -62,8 +62,8 @@ def check_resize(result):
 
 
 def check_guard(r):
-    assert r["step_ms_with_check"] > 0 and r["step_ms_without_check"] > 0 and r["ratio"] > 0
-    assert r["temp_bytes_with_check"] is not None
+    assert r["step_ms_cond"] > 0 and r["step_ms_no_check"] > 0 and r["step_ms_select"] > 0
+    assert r["temp_bytes_cond"] is not None and r["ratio"] > 0
 
 
 def check_step(result):

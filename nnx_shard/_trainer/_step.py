@@ -60,9 +60,13 @@ class CompiledSteps:
         ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
             old = jax.tree.map(lambda x: x, states)  # the values given: merged Variables are updated in place
             objects = {k: nnx.merge(graphdefs[k], states[k]) for k in states}
-            metrics = train_step(objects["model"], objects["optimizer"], objects.get("ema"), batch)
+            with _guard.gate(counters, mode) as gate:
+                metrics = train_step(objects["model"], objects["optimizer"], objects.get("ema"), batch)
             new = {k: nnx.state(v) for k, v in objects.items()}
-            new, counters = _guard.guarded(new, old, counters, metrics, mode)
+            if gate.applied is not None:  # the update ran under a cond (Trainer.apply_gradients)
+                counters = _guard.count(counters, gate.applied)
+            else:  # the step updated by itself: select the state it was given where it is not finite
+                new, counters = _guard.guarded(new, old, counters, metrics, mode)
             return new, counters, {**metrics, "skipped_steps": counters["skipped"]}
 
         return step
@@ -92,3 +96,39 @@ class CompiledSteps:
         states, self._counters, metrics = self.get(batch)(self.hooks.states(), self.counters, batch)
         self.hooks.update(states)
         return metrics
+
+
+class CompiledEval:
+    """Evaluation compiled once per batch signature: the model (or the EMA's parameters in it) in eval mode."""
+
+    def __init__(self, steps: CompiledSteps, eval_metrics: Callable[[nnx.Module, Any], dict[str, Any]]):
+        self.steps, self.eval_metrics = steps, eval_metrics
+        self._fn: Any = None
+
+    def reset(self) -> None:
+        self._fn = None
+
+    def run(self, batches: Any, *, use_ema: bool, to_global: Callable[[Any], Any]) -> dict[str, float]:
+        """Means of the metrics over ``batches``, weighted by their rows: ``{"eval_<name>": value}``."""
+        if self._fn is None:
+            graphdef, eval_metrics = self.steps.graphdefs["model"], self.eval_metrics
+
+            def run(model_state: Any, ema_params: Any, batch: Any) -> dict[str, Any]:
+                model = nnx.merge(graphdef, model_state)
+                if ema_params is not None:
+                    nnx.update(model, ema_params)
+                model.eval()  # dropout off, batch norm on its running statistics
+                return eval_metrics(model, batch)
+
+            self._fn = jax.jit(run)
+        states = self.steps.hooks.states()
+        params = states["ema"]["params"] if use_ema and "ema" in states else None
+        totals: dict[str, float] = {}
+        rows = 0
+        for batch in batches:
+            batch = to_global(batch)
+            n = max(_data.examples(batch), 1)
+            for k, v in _data.host_scalars(self._fn(states["model"], params, batch)).items():
+                totals[k] = totals.get(k, 0.0) + v * n
+            rows += n
+        return {f"eval_{k}": v / max(rows, 1) for k, v in totals.items()}

@@ -21,13 +21,13 @@ from nnx_shard._hooks import ShardingHooks
 from nnx_shard._mesh import mesh_from_string
 from nnx_shard._multihost import data_sharding, host_local_to_global
 from nnx_shard._resize import ResizeReport
-from nnx_shard._trainer import _data
+from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._config import base_config, compute_mesh, config_mesh, merge_config
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._loop import run_training
 from nnx_shard._trainer._norm import global_norm
 from nnx_shard._trainer._observe import Observer, compile_seconds, injected_learning_rate
-from nnx_shard._trainer._step import CompiledSteps
+from nnx_shard._trainer._step import CompiledEval, CompiledSteps
 
 logger = logging.getLogger("nnx_shard")
 Hook = Callable[[int, dict[str, float], "Trainer"], Any]
@@ -110,7 +110,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.timings: collections.Counter[str] = collections.Counter()
         self._steps = CompiledSteps(self.hooks, self.train_step, self.config.on_nonfinite)
-        self._eval_fn: Any = None
+        self._eval = CompiledEval(self._steps, self.eval_metrics)
         self._user_hooks: list[tuple[Hook, int]] = []
         self._data_states: list[Any] | None = None
         self._batches: _data.Batches | None = None
@@ -142,14 +142,32 @@ class Trainer:
             return out if isinstance(out, tuple) else (out, {})
 
         (value, aux), grads = nnx.value_and_grad(loss, has_aux=True)(model)
-        optimizer.update(model, grads)
-        if ema is not None:
-            ema.update(model)
-        metrics = {"loss": value, "grad_norm": self.grad_norm(grads), **aux}
+        norm = self.grad_norm(grads)
+        self.apply_gradients(model, optimizer, ema, grads, loss=value, grad_norm=norm)
+        metrics = {"loss": value, "grad_norm": norm, **aux}
         lr = injected_learning_rate(optimizer)
         if lr is not None:
             metrics["learning_rate"] = lr
         return metrics
+
+    def apply_gradients(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        ema: nnx.EMA | None,
+        grads: Any,
+        *,
+        loss: Any,
+        grad_norm: Any,
+    ) -> Any:
+        """(traced) The optimizer and EMA update, applied only when ``loss`` and ``grad_norm`` are finite.
+
+        The update runs under a ``cond``, so a non-finite step changes
+        nothing and a finite one costs what the update costs. Returns whether
+        it was applied. A ``train_step`` override that calls it keeps this;
+        one that updates by itself gets a select over the state instead.
+        """
+        return _guard.apply_if_finite(model, optimizer, ema, grads, loss=loss, grad_norm=grad_norm)
 
     def grad_norm(self, grads: Any) -> Any:
         """The global norm of the model's gradients (traced), with one collective for all leaves."""
@@ -320,28 +338,7 @@ class Trainer:
         Compiled once per batch signature, like the train step.
         """
         self.init()
-        if self._eval_fn is None:
-            graphdef = self._steps.graphdefs["model"]
-
-            def run(model_state: Any, ema_params: Any, batch: Any) -> dict[str, Any]:
-                model = nnx.merge(graphdef, model_state)
-                if ema_params is not None:
-                    nnx.update(model, ema_params)
-                model.eval()  # dropout off, batch norm on its running statistics
-                return self.eval_metrics(model, batch)
-
-            self._eval_fn = jax.jit(run)
-        states = self.hooks.states()
-        params = states["ema"]["params"] if use_ema and "ema" in states else None
-        totals: dict[str, float] = {}
-        rows = 0
-        for batch in batches:
-            batch = self.global_batch(batch)
-            n = max(_data.examples(batch), 1)
-            for k, v in _data.host_scalars(self._eval_fn(states["model"], params, batch)).items():
-                totals[k] = totals.get(k, 0.0) + v * n
-            rows += n
-        return {f"eval_{k}": v / max(rows, 1) for k, v in totals.items()}
+        return self._eval.run(batches, use_ema=use_ema, to_global=self.global_batch)
 
     # -- checkpoints --------------------------------------------------------------
 
@@ -404,7 +401,7 @@ class Trainer:
         report = self.hooks.on_mesh_change(compute_mesh(new), donate=donate)
         self.mesh = new
         self._steps.reset()  # compiled for the old shardings
-        self._eval_fn = None
+        self._eval.reset()
         self._param_shardings = None
         self._event("resize", report.seconds, report=str(report))
         return report
