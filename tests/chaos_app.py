@@ -238,6 +238,7 @@ def _outcome(restart: dict, reference: str, had_usable: bool) -> dict:
         "outcome": judge(restart, reference, had_usable),
         "stderr_lines": restart["stderr_lines"],
         "last": restart["last"][-300:],
+        "error": restart["last"].split(":", 1)[0] if restart.get("rc") not in (0, None) else None,
         "restored": (restart.get("out") or {}).get("restored"),
     }
 
@@ -283,4 +284,12 @@ if __name__ == "__main__":  # python tests/chaos_app.py WORKDIR KILL SEED
     os.environ.pop("XLA_FLAGS", None)
     jax.config.update("jax_num_cpu_devices", 8)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    print(json.dumps(run(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)
+    import nnx_shard as ns
+
+    try:
+        print(json.dumps(run(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)
+    except (
+        ns.NnxShardError
+    ) as e:  # as a job script reports it: one line (what the library printed stays above)
+        print(f"{type(e).__module__}.{type(e).__name__}: {e}".replace("\n", " "), file=sys.stderr)
+        sys.exit(1)
