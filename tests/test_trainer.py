@@ -68,14 +68,17 @@ def test_resume_on_two_processes(reference, multiprocess):
     results, _ = multiprocess(
         "tests.trainer_app:resume", 2, devices=2, args={"workdir": reference["workdir"], "step": 6}
     )
+    first = results[0].ok()["pid"]
     for r in results:
         v = r.ok()
         assert (
             v["report"]
             == "restored step 6, saved on 8 devices (fsdp=8) in 1 process, onto 4 devices (fsdp=4) in 2 processes"
         )
+        assert v["lock_holders"] == [first]  # process 0 holds the workdir lock for both
         assert v["digest"] == reference["digest"]
         np.testing.assert_allclose(v["losses"], reference["losses"], rtol=2e-5, atol=1e-6)
+    assert not results[0].ok()["lock_left"]  # and gives it back when train() returns
 
 
 def test_mismatched_model_raises_and_leaves_live_state(reference, tmp_path):

@@ -128,8 +128,16 @@ def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: 
     report = trainer.restore_and_reshard(step)
     restored = digest(trainer)
     kernel = trainer.states["model"]["l1"]["kernel"].get_value()
+    lock = os.path.join(workdir, "nnx_shard.lock")
+    holders = []  # whose pid the workdir lock names while training (process 0's, for every process)
+    trainer.add_hook(
+        lambda s, m, t: holders.append(json.load(open(lock))["pid"] if os.path.exists(lock) else None)
+    )
     history = trainer.train(batch_for)
     return {
+        "pid": os.getpid(),
+        "lock_holders": sorted(set(holders)),
+        "lock_left": os.path.exists(lock),
         "report": str(report),
         "digest": restored,
         "devices": jax.device_count(),
