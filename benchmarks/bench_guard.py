@@ -16,12 +16,11 @@ Target: cond / none <= 1.02. XLA's compiled ``memory_analysis()`` gives each one
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 
-from common import machine, simulate_devices, write_json
+from common import machine, simulate_devices, step_args, write_json
 
 simulate_devices(8)
 
@@ -34,7 +33,7 @@ import nnx_shard as ns  # noqa: E402
 from nnx_shard._trainer import _guard  # noqa: E402
 
 
-def unguarded(new, old, guard, metrics, mode):
+def unguarded(new, old, guard, metrics, allow):
     """The step without the check: the new state always, the counters unchanged."""
     return new, guard
 
@@ -79,11 +78,7 @@ def build(width, depth, rows, *, variant: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    width, depth, rows, steps, rounds = (64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9)
+    args, (width, depth, rows, steps, rounds) = step_args()
     built = {v: build(width, depth, rows, variant=v) for v in ("cond", "none", "select")}
     times = {v: [] for v in built}
     for _ in range(rounds):  # alternate, so machine noise hits all alike

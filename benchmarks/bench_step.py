@@ -9,10 +9,9 @@ donated; metrics are fetched only at the end. Target: ratio <= 1.03.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
-from common import hand_written_step, interleaved_timing, machine, simulate_devices, write_json
+from common import hand_written_step, interleaved_timing, machine, simulate_devices, step_args, write_json
 
 simulate_devices(8)
 
@@ -55,11 +54,7 @@ class Bench(ns.Trainer):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    width, depth, rows, steps, rounds = (64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9)
+    args, (width, depth, rows, steps, rounds) = step_args()
     cfg = {
         "mesh": "fsdp:8",
         "sharding_strategy": STRATEGY,

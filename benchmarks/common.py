@@ -45,6 +45,17 @@ def write_json(result: dict[str, object], out: str | None) -> None:
         Path(out).write_text(text)
 
 
+def step_args():
+    """``--smoke``/``--out`` and the step benchmarks' sizes: ``(args, (width, depth, rows, steps, rounds))``."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    return args, ((64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9))
+
+
 def hand_written_step(trainer, batch, loss_fn):
     """What a user writes without nnx_shard, for comparison: the trainer's objects, split, jitted, donated.
 

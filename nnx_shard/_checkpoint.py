@@ -147,16 +147,12 @@ class Checkpointer(CheckpointReads):
         if self._manager is None:
             if self._closed:
                 raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")
-            self._remove_leftovers()
             with self._storage(None, "opening"):
+                remove_leftovers(self.directory)  # of interrupted saves, with a note
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=self._options, handler_registry=registry()
                 )
         return self._manager
-
-    def _remove_leftovers(self) -> None:
-        with self._storage(None, "opening"):
-            remove_leftovers(self.directory)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -271,9 +267,8 @@ class Checkpointer(CheckpointReads):
             except Exception as e:  # the failed save's own error again, being reported now
                 if not is_storage_error(e):
                     raise
-        with contextlib.suppress(OSError):
-            remove_leftovers(self.directory)
-            if step is not None:
+        if step is not None:  # its temporaries go when the next manager opens the directory
+            with contextlib.suppress(OSError):
                 remove_unfinished(self.directory, step)
         return save_failed(self.directory, step, error)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -48,23 +48,54 @@ DEFAULTS: dict[str, Any] = {
 }
 
 PROGRESS = ("auto", "bar", "on", "lines", "off")
-CHOICES: dict[str, tuple[Any, ...]] = {
-    "progress": PROGRESS,
-    "best_mode": ("min", "max"),
-    "resume": ("off", "auto"),
-    "on_nonfinite": ("stop", "skip"),
-}
-COUNTS = ("seed", "total_steps", "eval_every", "save_every", "max_host_bytes", "log_every")
-POSITIVE = ("max_consecutive_nonfinite",)
-SECONDS = ("barrier_timeout", "lock_stale_after")
-FLAGS = (
-    "save_at_end",
-    "async_checkpoint",
-    "verify_checkpoints",
-    "free_live_on_restore",
-    "tensorboard",
-    "overwrite",
-)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _rules() -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """Each built-in key's check and what it expects (the mesh and the strategy are checked on their own)."""
+    rules: dict[str, tuple[Callable[[Any], bool], str]] = {}
+    for key, choices in (
+        ("progress", PROGRESS),
+        ("best_mode", ("min", "max")),
+        ("resume", ("off", "auto")),
+        ("on_nonfinite", ("stop", "skip")),
+    ):
+        rules[key] = (lambda v, c=choices: v in c, f"one of {choices}")
+    for key in ("seed", "total_steps", "eval_every", "save_every", "max_host_bytes", "log_every"):
+        rules[key] = (lambda v: _int(v) and v >= 0, "a whole number >= 0")
+    for key in (
+        "save_at_end",
+        "async_checkpoint",
+        "verify_checkpoints",
+        "free_live_on_restore",
+        "tensorboard",
+        "overwrite",
+    ):
+        rules[key] = (lambda v: isinstance(v, bool), "True or False")
+    for key in ("barrier_timeout", "lock_stale_after"):
+        rules[key] = (lambda v: _number(v) and v > 0, "a number of seconds > 0")
+    for key in ("workdir", "best_metric"):
+        rules[key] = (lambda v: isinstance(v, str), "a string ('' for none)")
+    rules["keep"] = (
+        lambda v: v is None or (_int(v) and v >= 1),
+        "a whole number >= 1, or None to keep every step",
+    )
+    rules["max_consecutive_nonfinite"] = (lambda v: _int(v) and v >= 1, "a whole number >= 1")
+    rules["ema_decay"] = (
+        lambda v: v is None or (_number(v) and 0 <= v <= 1),
+        "a number in [0, 1], or None for no EMA",
+    )
+    return rules
+
+
+RULES = _rules()
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -130,10 +161,6 @@ def merge_config(defaults: ml_collections.ConfigDict, given: Any) -> ml_collecti
     return merged
 
 
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _expected(key: str, value: Any, what: str) -> ConfigError:
     return ConfigError(f"config.{key} must be {what}; got {value!r} ({type(value).__name__}).")
 
@@ -151,33 +178,13 @@ def check_values(config: Mapping[str, Any], defaults: Mapping[str, Any], where: 
     """
     for key, value in config.items():
         name, default = f"{where}{key}", defaults.get(key)
-        if where == "" and key in CHOICES:
-            if value not in CHOICES[key]:
-                raise _expected(name, value, f"one of {CHOICES[key]}")
-        elif where == "" and key in COUNTS:
-            if not _int(value) or value < 0:
-                raise _expected(name, value, "a whole number >= 0")
-        elif where == "" and key == "keep":
-            if value is not None and (not _int(value) or value < 1):
-                raise _expected(name, value, "a whole number >= 1, or None to keep every step")
-        elif where == "" and key in POSITIVE:
-            if not _int(value) or value < 1:
-                raise _expected(name, value, "a whole number >= 1")
-        elif where == "" and key in SECONDS:
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise _expected(name, value, "a number of seconds > 0")
-        elif where == "" and key in FLAGS:
-            if not isinstance(value, bool):
-                raise _expected(name, value, "True or False")
-        elif where == "" and key == "ema_decay":
-            if value is not None and (not isinstance(value, int | float) or not 0 <= value <= 1):
-                raise _expected(name, value, "a number in [0, 1], or None for no EMA")
-        elif where == "" and key in ("workdir", "best_metric"):
-            if not isinstance(value, str):
-                raise _expected(name, value, "a string ('' for none)")
-        elif where == "" and key == "sharding_strategy":
+        rule = None if where else RULES.get(key)
+        if rule is not None:
+            if not rule[0](value):
+                raise _expected(name, value, rule[1])
+        elif not where and key == "sharding_strategy":
             check_strategy(value)
-        elif where == "" and key == "mesh":
+        elif not where and key == "mesh":
             continue  # checked when the mesh is built (it must fit the devices)
         elif isinstance(default, Mapping) and isinstance(value, Mapping):
             check_values(value, default, f"{name}.")

@@ -63,7 +63,7 @@ def current() -> Gate | None:
 def apply_if_finite(model: Any, optimizer: Any, ema: Any, grads: Any, *, loss: Any, grad_norm: Any) -> Any:
     """(traced) ``optimizer.update`` and ``ema.update`` under a ``cond`` on finiteness (and the step's gate)."""
     gate = current()
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (True if gate is None else gate.allow)
+    ok = finite({"loss": loss, "grad_norm": grad_norm}) & (True if gate is None else gate.allow)
 
     def update(model: Any, optimizer: Any, ema: Any, grads: Any) -> None:
         optimizer.update(model, grads)
@@ -92,14 +92,13 @@ def finite(metrics: dict[str, Any]) -> Any:
 
 
 def guarded(
-    new: Any, old: Any, guard: dict[str, Any], metrics: dict[str, Any], mode: str
+    new: Any, old: Any, guard: dict[str, Any], metrics: dict[str, Any], allow: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """(traced) ``new`` where the step is finite (and, with ``"stop"``, no earlier one failed), else ``old``.
+    """(traced) ``new`` where the step is finite and its gate ``allow``s it, else ``old``.
 
     For a step that updated without :meth:`Trainer.apply_gradients`: a select over the whole state.
     """
-    ok = finite(metrics)
-    apply = ok & (guard["bad"] == 0) if mode == "stop" else ok
+    apply = finite(metrics) & allow
     return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old), count(guard, apply)
 
 

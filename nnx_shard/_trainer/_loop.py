@@ -57,14 +57,16 @@ def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int)
             metrics = trainer.run_step(batch)
             trainer.step += 1
             run.after_dispatch(metrics, _data.examples(batch), _data.tokens(host_batch), end)
-            if _nonfinite_stop(trainer, counters, trainer.step - 1) or _after_step(trainer, run, eval_data):
+            if _nonfinite_stop(trainer, run, counters, trainer.step - 1) or _after_step(
+                trainer, run, eval_data
+            ):
                 break
-        nonfinite = trainer.stop_reason is not None and trainer.stop_reason.startswith("non-finite")
-        nonfinite = nonfinite or _nonfinite_stop(trainer, trainer.guard, trainer.step)
+        if not run.nonfinite:
+            _nonfinite_stop(trainer, run, trainer.guard, trainer.step)
         trainer.stop_reason = trainer.stop_reason or "finished"
         run.flush()
         preempted = trainer.stop_reason == "preempted"
-        stopped_on_nan = nonfinite and trainer.config.on_nonfinite == "stop"  # nothing of it is saved
+        stopped_on_nan = run.nonfinite and trainer.config.on_nonfinite == "stop"  # nothing of it is saved
         if (
             trainer.checkpointer is not None
             and (preempted or trainer.config.save_at_end)
@@ -87,15 +89,13 @@ def run_training(trainer: Any, batches: _data.Batches, eval_data: Any, end: int)
     return history
 
 
-def _nonfinite_stop(trainer: Any, guard: Any, step: int) -> bool:
+def _nonfinite_stop(trainer: Any, run: StepLog, guard: Any, step: int) -> bool:
     """Ends the run when the counters after ``step`` say so (``config.on_nonfinite``); True ends the loop."""
-    if trainer.stop_reason is not None and trainer.stop_reason.startswith("non-finite"):
-        return True
     cfg = trainer.config
     verdict = _guard.read(guard, step, cfg.on_nonfinite, cfg.max_consecutive_nonfinite)
     if not verdict.stop:
         return False
-    trainer.stop_reason = verdict.reason
+    trainer.stop_reason, run.nonfinite = verdict.reason, True
     if verdict.resume_step is not None:
         trainer.step = verdict.resume_step  # the live state is the one before the first bad step
     logger.error("%s: stopping (config.on_nonfinite=%r)", verdict.reason, trainer.config.on_nonfinite)
@@ -116,7 +116,7 @@ def _after_step(trainer: Any, run: StepLog, eval_data: Any) -> bool:
         trainer.observer.record({"step": step, **trainer.last_eval})
         metrics = {**(metrics or {}), **trainer.last_eval}
     if save:
-        if _nonfinite_stop(trainer, trainer.guard, step):  # never save a step that was not applied
+        if _nonfinite_stop(trainer, run, trainer.guard, step):  # never save a step that was not applied
             return True
         trainer.save(metrics=trainer.last_eval if evaluate else None)
     for fn in hooks:
@@ -138,6 +138,7 @@ class StepLog:
         self.trainer, self.history = trainer, history
         self.pending: tuple[int, Any] | None = None
         self.current: tuple[int, Any] | None = None
+        self.nonfinite = False  # the run stopped on a non-finite step (config.on_nonfinite)
         self.examples = self.tokens = 0
         self.has_tokens = False
         self.since = (time.perf_counter(), trainer.step)

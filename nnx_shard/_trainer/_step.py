@@ -66,7 +66,7 @@ class CompiledSteps:
             if gate.applied is not None:  # the update ran under a cond (Trainer.apply_gradients)
                 counters = _guard.count(counters, gate.applied)
             else:  # the step updated by itself: select the state it was given where it is not finite
-                new, counters = _guard.guarded(new, old, counters, metrics, mode)
+                new, counters = _guard.guarded(new, old, counters, metrics, gate.allow)
             return new, counters, {**metrics, "skipped_steps": counters["skipped"]}
 
         return step
