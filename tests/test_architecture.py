@@ -246,3 +246,29 @@ def test_no_function_body_is_over_60_lines():
                 if body and body[-1].end_lineno - body[0].lineno + 1 > 60:
                     long.append(f"{name}.{node.name}: {body[-1].end_lineno - body[0].lineno + 1} lines")
     assert not long, long
+
+
+def test_the_trainers_parts_see_it_through_declared_interfaces(tmp_path):
+    """The loop and recovery take the Trainer as a typed protocol: no ``Any``, no private attribute read."""
+    from nnx_shard._trainer._loop import LoopHost
+    from tests.trainer_app import RegressionTrainer, config
+
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("_trainer."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and node.arg in ("trainer", "host"):
+                annotation = ast.unparse(node.annotation) if node.annotation else "nothing"
+                if annotation in ("Any", "nothing"):
+                    found.append(f"{name}: parameter {node.arg} typed {annotation}")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("trainer", "host")
+                and node.attr.startswith("_")
+            ):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert not found, found
+    trainer = RegressionTrainer(config(str(tmp_path)))
+    assert isinstance(trainer, LoopHost)

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -46,43 +47,23 @@ def mesh_over(mesh: Any, devices: Sequence[Any]) -> Mesh:
     return mesh_from_string(str(mesh), devices=list(devices))
 
 
-@contextlib.contextmanager
-def _hooks_of(trainer: Any, hooks: _AbstractHooks) -> Iterator[None]:
-    live, shardings = trainer.hooks, trainer._param_shardings
-    trainer.hooks, trainer._param_shardings = hooks, None
-    try:
-        yield
-    finally:
-        trainer.hooks, trainer._param_shardings = live, shardings
-
-
-def compile_report(trainer: Any, devices: Sequence[Any], batch: Any) -> CompileReport:
-    """Compiles ``trainer``'s train step over ``devices`` for a global ``batch`` (its shapes) and reports it."""
-    mesh = mesh_over(trainer.config.mesh, devices)
-    with abstract_construction():
-        objects = nnx.eval_shape(trainer._create)
-    graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
-    states = {k: nnx.state(v) for k, v in objects.items()}
-    plan = plan_sharding(states, list(trainer.config.sharding_strategy), mesh)
-    target = {k: abstract_target(states[k], plan.shardings[k]) for k in states}
-    rows = data_sharding(mesh)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rows), batch)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    counters = {k: jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated) for k in ("bad", "skipped")}
-    hooks = _AbstractHooks(mesh, plan)
-    steps = CompiledSteps(hooks, trainer.train_step, trainer.config.on_nonfinite)  # type: ignore[arg-type]
-    steps.graphdefs.update(graphdefs)
-    with _hooks_of(trainer, hooks), on_mesh(mesh):
-        fn, kwargs = steps.program(batch)
-        report = compile_program(fn, (target, counters, batch), list(devices), plan=plan, **kwargs)
-    report.batch_bytes = sum(
-        int(np.prod(rows.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)
-    )
-    return report
-
-
 class AheadOfTime:
-    """The Trainer's ahead-of-time compile (a base class of :class:`nnx_shard.Trainer`)."""
+    """The Trainer's ahead-of-time compile (a base class of :class:`nnx_shard.Trainer`).
+
+    What it uses of the Trainer is declared here; the Trainer defines each.
+    """
+
+    config: ml_collections.ConfigDict
+    hooks: Any  # ShardingHooks; swapped for abstract ones while compiling
+    _param_shardings: dict[str, Any] | None
+
+    def _create(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def train_step(
+        self, model: nnx.Module, optimizer: Any, ema: nnx.EMA | None, batch: Any
+    ) -> dict[str, Any]:
+        raise NotImplementedError
 
     def compile_report(self, devices: Sequence[Any], batch: Any) -> CompileReport:
         """Compiles this Trainer's own train step for ``devices`` and reports what each holds and sends.
@@ -109,4 +90,34 @@ class AheadOfTime:
         >>> report.devices, report.state_bytes > 0, "all-reduce" in report.collectives
         (8, True, True)
         """
-        return compile_report(self, devices, batch)
+        mesh = mesh_over(self.config.mesh, devices)
+        with abstract_construction():
+            objects = nnx.eval_shape(self._create)
+        graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+        states = {k: nnx.state(v) for k, v in objects.items()}
+        plan = plan_sharding(states, list(self.config.sharding_strategy), mesh)
+        target = {k: abstract_target(states[k], plan.shardings[k]) for k in states}
+        rows = data_sharding(mesh)
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rows), batch)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        counters = {k: jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated) for k in ("bad", "skipped")}
+        hooks = _AbstractHooks(mesh, plan)
+        steps = CompiledSteps(hooks, self.train_step, self.config.on_nonfinite)  # type: ignore[arg-type]
+        steps.graphdefs.update(graphdefs)
+        with self._hooks_swapped(hooks), on_mesh(mesh):
+            fn, kwargs = steps.program(batch)
+            report = compile_program(fn, (target, counters, batch), list(devices), plan=plan, **kwargs)
+        report.batch_bytes = sum(
+            int(np.prod(rows.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(batch)
+        )
+        return report
+
+    @contextlib.contextmanager
+    def _hooks_swapped(self, hooks: _AbstractHooks) -> Iterator[None]:
+        live, shardings = self.hooks, self._param_shardings
+        self.hooks, self._param_shardings = hooks, None
+        try:
+            yield
+        finally:
+            self.hooks, self._param_shardings = live, shardings

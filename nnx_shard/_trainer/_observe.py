@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import sys
@@ -110,6 +111,7 @@ class Observer:
         self._bar: Any = None
         self._writer: Any = None
         self._end: int | None = None
+        self.timings: collections.Counter[str] = collections.Counter()  # seconds per event name
 
     def start(self, step: int, end: int) -> None:
         """Opens the bar (on a terminal) for a ``train()`` call from ``step`` to ``end``."""
@@ -142,7 +144,11 @@ class Observer:
                     )  # written out every 10 s and at the end
 
     def event(self, name: str, seconds: float, step: int, **fields: Any) -> None:
-        """Where wall time went (compile, save, restore, resize, eval): a line, a JSON line, a scalar."""
+        """Where wall time went (compile, save, restore, resize, eval): a line, a JSON line, a scalar.
+
+        Its seconds add up in :attr:`timings` on every process.
+        """
+        self.timings[name] += seconds
         logger.info("%s took %.3f s at step %d %s", name, seconds, step, fields or "")
         if not self.main:
             return

@@ -7,16 +7,41 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
+import ml_collections
 
+from nnx_shard._checkpoint import Checkpointer
 from nnx_shard._distributed import FAILED_AT, PREVIOUS_PROCESSES, STOPPED_AT, launch_info
+from nnx_shard._hooks import ShardingHooks
 from nnx_shard._snapshot import SnapshotWriter, default_dir, folder, own_bytes
-from nnx_shard._snapshot_read import restore
+from nnx_shard._snapshot_read import Restored, restore
 from nnx_shard._trainer import _data
+from nnx_shard._trainer._lineage import Lineage
+from nnx_shard._trainer._observe import Observer
 
 logger = logging.getLogger("nnx_shard")
+
+
+class RecoveryHost(Protocol):
+    """What recovery and snapshots use of the Trainer: its public members; ``step`` is set on a resume."""
+
+    step: int
+    config: ml_collections.ConfigDict
+    workdir: str | None
+    hooks: ShardingHooks
+    checkpointer: Checkpointer | None
+    lineage: Lineage
+    observer: Observer
+
+    @property
+    def timings(self) -> dict[str, float]: ...
+
+    @property
+    def restored_step(self) -> int | None: ...
+
+    def restore_and_reshard(self, step: int | None = None) -> Any: ...
 
 
 def _env_time(name: str) -> float | None:
@@ -27,7 +52,7 @@ def _env_time(name: str) -> float | None:
 
 
 def recovery_fields(
-    trainer: Any, began: float, first_step_s: float, compile_s: float
+    trainer: RecoveryHost, began: float, first_step_s: float, compile_s: float
 ) -> dict[str, Any] | None:
     """The ``recovered`` event's fields, or None when this run is not a restart.
 
@@ -62,13 +87,13 @@ def is_restart() -> bool:
     return info is not None and info.restart > 0
 
 
-def _root(trainer: Any) -> Path:
+def _root(trainer: RecoveryHost) -> Path:
     """``config.snapshot_dir``, or a folder of this workdir's own under ``/dev/shm``."""
     job = hashlib.sha256(os.path.abspath(trainer.workdir or "nnx_shard").encode()).hexdigest()[:12]
     return Path(trainer.config.snapshot_dir or default_dir(job))
 
 
-def _previous_folder(trainer: Any) -> Path | None:
+def _previous_folder(trainer: RecoveryHost) -> Path | None:
     """This process's snapshot folder in the run before this restart (None at first, or for a new process)."""
     info = launch_info()
     if info is None or info.restart == 0 or info.previous_id is None:
@@ -76,15 +101,16 @@ def _previous_folder(trainer: Any) -> Path | None:
     return folder(_root(trainer), info.restart - 1, info.previous_id)
 
 
-def resume_from_snapshots(trainer: Any) -> bool:
+def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
     """On a restart with snapshots on: restores the newest snapshot state newer than every checkpoint.
 
-    A collective. False (and nothing changed) when there is none, or when a
-    piece does not read or verify: the caller restores a checkpoint instead.
+    A collective. Returns what was restored (its ``data_states`` are the
+    caller's to use), or None (and nothing changed) when there is none, or
+    when a piece does not read or verify: the caller restores a checkpoint instead.
     """
     info = launch_info()
     if info is None or info.restart == 0 or not trainer.config.snapshot_every:
-        return False
+        return None
     began = time.perf_counter()
     steps = trainer.checkpointer.all_steps() if trainer.checkpointer is not None else []
     previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
@@ -93,24 +119,25 @@ def resume_from_snapshots(trainer: Any) -> bool:
         _previous_folder(trainer), previous, trainer.hooks.states(), after=max(steps, default=0) - 1
     )
     if got is None:
-        return False
+        return None
     trainer.hooks.update(got.states)
     trainer.step = got.step
     trainer.lineage.restored_snapshot(got.step)
-    trainer._data_states = got.data_states
-    trainer._steps.reset_counters()
-    trainer._event("restore", time.perf_counter() - began, source="snapshot", processes_before=previous)
-    return True
+    seconds = time.perf_counter() - began
+    trainer.observer.event("restore", seconds, got.step, source="snapshot", processes_before=previous)
+    return got
 
 
-def resume_auto(trainer: Any) -> None:
-    """``resume="auto"``: a restart's snapshots when newer than every checkpoint, else the newest checkpoint
-    that reads and verifies."""
-    if not resume_from_snapshots(trainer):
+def resume_auto(trainer: RecoveryHost) -> Restored | None:
+    """``resume="auto"``: a restart's snapshots when newer than every checkpoint (returned: their
+    ``data_states`` are the caller's), else the newest checkpoint that reads and verifies (None)."""
+    got = resume_from_snapshots(trainer)
+    if got is None:
         trainer.lineage.resume_newest(trainer.restore_and_reshard, after=trainer.step)
+    return got
 
 
-def start_snapshots(trainer: Any) -> SnapshotWriter | None:
+def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
     """The snapshot writer of ``config.snapshot_every`` (None when off), its memory checked and logged.
 
     Raises:
@@ -137,11 +164,13 @@ def start_snapshots(trainer: Any) -> SnapshotWriter | None:
     return writer
 
 
-def snapshot(trainer: Any, writer: SnapshotWriter, step: int) -> None:
-    """Writes the snapshot of ``step`` (a collective: every process at the same step) and logs it as an event."""
+def snapshot(trainer: RecoveryHost, writer: SnapshotWriter, step: int, batches: _data.Batches | None) -> None:
+    """Writes the snapshot of ``step`` (a collective: every process at the same step) and logs it as an event.
+
+    The position of ``batches`` goes with it when they can resume.
+    """
     began = time.perf_counter()
-    batches = trainer._batches
     data = _data.encode_state(batches.state()) if batches is not None and batches.resumable else None
     writer.write(step, trainer.hooks.states(), data)
     own, peer = writer.last_bytes
-    trainer._event("snapshot", time.perf_counter() - began, own_bytes=own, peer_bytes=peer)
+    trainer.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -27,7 +26,7 @@ from nnx_shard._trainer._aot import AheadOfTime
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
 from nnx_shard._trainer._finetune import frozen_for_restore, labels, refresh_ema, resolve_wrt, states_to_save
 from nnx_shard._trainer._lineage import Lineage
-from nnx_shard._trainer._loop import run_training
+from nnx_shard._trainer._loop import Hook, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
 from nnx_shard._trainer._observe import Observer, compile_seconds, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
@@ -35,7 +34,6 @@ from nnx_shard._trainer._step import CompiledEval, CompiledSteps
 from nnx_shard._trainer._watchdog import Watchdog
 
 logger = logging.getLogger("nnx_shard")
-Hook = Callable[[int, dict[str, float], "Trainer"], Any]
 
 
 class Trainer(AheadOfTime):
@@ -96,22 +94,18 @@ class Trainer(AheadOfTime):
         initialize_distributed(heartbeat_timeout=cfg.heartbeat_timeout, shutdown_timeout=cfg.shutdown_timeout)
         self.watchdog = Watchdog()
         self.mesh = config_mesh(self.config.mesh)
-        self.hooks = ShardingHooks(
-            list(cfg.sharding_strategy), self.mesh, barrier_timeout=cfg.barrier_timeout
-        )
+        strategy = list(cfg.sharding_strategy)
+        self.hooks = ShardingHooks(strategy, self.mesh, barrier_timeout=cfg.barrier_timeout)
         self.workdir = str(cfg.workdir) if cfg.workdir else None
         self.checkpointer: Checkpointer | None = config_checkpointer(cfg)
         self.observer = Observer(self.workdir, self.config.progress, self.config.tensorboard)
-        self.step, self.stop_reason = 0, None
+        self.step = 0
         self.last_eval: dict[str, float] = {}
-        self.timings: collections.Counter[str] = collections.Counter()
+        self.loop = TrainingLoop()
         self._steps = CompiledSteps(self.hooks, self.train_step, self.config.on_nonfinite)
         self._eval = CompiledEval(self._steps, self.eval_metrics)
-        self._user_hooks: list[tuple[Hook, int]] = []
         self._data_states: list[Any] | None = None
-        self._batches: _data.Batches | None = None
-        self._stop_request: str | None = None
-        self._resumed = self._preempted = False
+        self._resumed = False
         self._param_shardings: dict[str, Any] | None = None
         self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
         compile_seconds()  # start listening to JAX's compile events
@@ -127,9 +121,8 @@ class Trainer(AheadOfTime):
     def loss_fn(self, model: nnx.Module, batch: Any) -> Any:
         raise NotImplementedError("a Trainer subclass must define loss_fn(self, model, batch)")
 
-    wrt: Any = (
-        None  # the trained subset (an nnx filter); None: nnx.LoRAParam when the model has any, else nnx.Param
-    )
+    # the trained subset (an nnx filter); None: nnx.LoRAParam when the model has any, else nnx.Param
+    wrt: Any = None
 
     def load_pretrained(self, model: nnx.Module) -> Any:
         """Called once on the new sharded model, before any restore: e.g. ``return ns.load_safetensors(model, ...)``."""
@@ -201,11 +194,21 @@ class Trainer(AheadOfTime):
         samples, early stopping with :meth:`request_stop`)."""
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"add_hook(every=...) takes a whole number of steps >= 1; got {every!r}.")
-        self._user_hooks.append((fn, every))
+        self.loop.add_hook(fn, every)
 
     def request_stop(self, reason: str = "requested") -> None:
         """Ends ``train()`` after the current step, with a save; ``stop_reason`` says ``stopped: <reason>``."""
-        self._stop_request = reason
+        self.loop.request_stop(reason)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the last ``train()`` returned (None before any): see :meth:`train`."""
+        return self.loop.stop_reason
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent per event (compile, save, restore, eval, ...) in this Trainer's life."""
+        return self.observer.timings
 
     # -- setup ------------------------------------------------------------------
 
@@ -223,9 +226,7 @@ class Trainer(AheadOfTime):
             return
         objects = self.hooks.on_init(self._create)
         if self.load_pretrained(objects["model"]) is not None and "ema" in objects:
-            refresh_ema(
-                objects["model"], objects["ema"]
-            )  # an EMA of the pretrained weights, not the random ones
+            refresh_ema(objects["model"], objects["ema"])  # of the pretrained weights, not the random ones
         self._steps.graphdefs.update({k: nnx.graphdef(v) for k, v in objects.items()})
 
     @property
@@ -272,7 +273,7 @@ class Trainer(AheadOfTime):
         metrics = self._steps.run(batch)
         if fresh:
             shapes = str([s for s, _ in _data.signature(batch)[1]])
-            self._event("compile", compile_seconds() - before, shapes=shapes)
+            self.observer.event("compile", compile_seconds() - before, self.step, shapes=shapes)
         return metrics
 
     def global_batch(self, batch: Any) -> Any:
@@ -283,16 +284,14 @@ class Trainer(AheadOfTime):
             return batch
         return host_local_to_global(batch, self.hooks.mesh)
 
-    def _event(self, name: str, seconds: float, **fields: Any) -> None:
-        self.timings[name] += seconds
-        self.observer.event(name, seconds, self.step, **fields)
-
     # -- the loop -----------------------------------------------------------------
 
     def _maybe_resume(self) -> None:
         if self.config.resume == "auto" and not self._resumed and self.checkpointer is not None:
             self._resumed = True
-            resume_auto(self)
+            if (got := resume_auto(self)) is not None:  # from snapshots
+                self._data_states = got.data_states
+                self._steps.reset_counters()
 
     @property
     def restored_step(self) -> int | None:
@@ -332,10 +331,10 @@ class Trainer(AheadOfTime):
             self.lineage.check_fresh(overwrite=self.config.overwrite)
             end = self.step + steps if steps is not None else self.config.total_steps
             resume = _data.state_for_this_process(self._data_states) if not callable(data) else None
-            self._batches = batches = _data.Batches(data, resume)
+            batches = _data.Batches(data, resume)
             if batches.resumed:
                 self._data_states = None
-            return run_training(self, batches, eval_data, end)
+            return self.loop.run(self, batches, eval_data, end)
 
     def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
         """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default.
@@ -364,8 +363,9 @@ class Trainer(AheadOfTime):
         self.init()
         self.lineage.before_save()
         extra = {}
-        if self._batches is not None and self._batches.resumable:
-            extra["data_state"] = _data.gather_states(self._batches.state())
+        batches = self.loop.batches
+        if batches is not None and batches.resumable:
+            extra["data_state"] = _data.gather_states(batches.state())
         start, strategy = time.perf_counter(), list(self.config.sharding_strategy)
         states = states_to_save(self.states, self._wrt, self.config.save_frozen, extra)
         started = self.checkpointer.save(
@@ -377,7 +377,9 @@ class Trainer(AheadOfTime):
             )
             return False
         self.lineage.saved(self.step)
-        self._event("save", time.perf_counter() - start, **({"metrics": metrics} if metrics else {}))
+        self.observer.event(
+            "save", time.perf_counter() - start, self.step, **({"metrics": metrics} if metrics else {})
+        )
         return True
 
     def resize(
@@ -403,7 +405,7 @@ class Trainer(AheadOfTime):
         self._steps.reset()  # compiled for the old shardings
         self._eval.reset()
         self._param_shardings = None
-        self._event("resize", report.seconds, report=str(report))
+        self.observer.event("resize", report.seconds, self.step, report=str(report))
         return report
 
     def best_step(self) -> int | None:
@@ -444,5 +446,5 @@ class Trainer(AheadOfTime):
         self._steps.reset_counters()
         self._data_states = report.saved.get("data_state")
         self._resumed = True
-        self._event("restore", time.perf_counter() - start, report=str(report))
+        self.observer.event("restore", time.perf_counter() - start, self.step, report=str(report))
         return report
