@@ -6,9 +6,11 @@ A block is a tuple of ``(start, stop)`` per dimension; a 0-d array's block is ``
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Sharding
 
 Block = tuple[tuple[int, int], ...]
@@ -17,10 +19,7 @@ Block = tuple[tuple[int, int], ...]
 def blocks(sharding: Sharding, shape: tuple[int, ...]) -> dict[Any, Block]:
     """Device -> the block of the global array it holds, for every device of ``sharding``."""
     return {
-        device: tuple(
-            (s.start or 0, s.stop if s.stop is not None else n) for s, n in zip(index, shape, strict=True)
-        )
-        for device, index in sharding.devices_indices_map(shape).items()
+        device: block_of_shard(index, shape) for device, index in sharding.devices_indices_map(shape).items()
     }
 
 
@@ -29,6 +28,22 @@ def block_of_shard(index: tuple[slice, ...], shape: tuple[int, ...]) -> Block:
     return tuple(
         (s.start or 0, s.stop if s.stop is not None else n) for s, n in zip(index, shape, strict=True)
     )
+
+
+def assemble(
+    counts: Sequence[int], piece: Callable[[tuple[int, ...]], jax.Array], offset: int = 0
+) -> jax.Array:
+    """Pieces on a grid of ``counts`` per dimension, concatenated in grid order: ``piece(position)``
+    gives each; grid dimension ``i`` is array axis ``i + offset`` (after leading batch axes)."""
+
+    def build(prefix: tuple[int, ...]) -> jax.Array:
+        dim = len(prefix)
+        if dim == len(counts):
+            return piece(prefix)
+        parts = [build((*prefix, i)) for i in range(counts[dim])]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim + offset)
+
+    return build(())
 
 
 def block_shape(block: Block) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from nnx_shard._caches import cached
-from nnx_shard._reshard._blocks import Block, block_shape, blocks, contains
+from nnx_shard._reshard._blocks import Block, assemble, block_shape, blocks, contains
 
 AXIS = "nnx_shard_devices"
 
@@ -81,6 +81,14 @@ class Schedule:
     positions: tuple[Position, ...]
     rounds: tuple[tuple[Transfer, ...], ...]
     remote: int
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        """Every transfer: the positions' local ones, their permutations', then the rounds'."""
+        out = [t for p in self.positions for t in p.local]
+        out += [t for p in self.positions for m in p.permutations for t in m]
+        out += [t for r in self.rounds for t in r]
+        return out
 
     @property
     def permutation_count(self) -> int:
@@ -158,9 +166,14 @@ def build_schedule(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> Sche
     return Schedule(union, sa, sb, piece, grid, tuple(positions), rounds, remote_count)
 
 
+def line_sharding(devices: Sequence[Any]) -> NamedSharding:
+    """Dimension 0 split over ``devices`` in their order, one block each: the layout of every program here."""
+    return NamedSharding(Mesh(np.array(devices, dtype=object), (AXIS,)), PartitionSpec(AXIS))
+
+
 def union_sharding(schedule: Schedule) -> NamedSharding:
     """The program's layout: dimension 0 split over the union devices, one block each."""
-    return NamedSharding(Mesh(np.array(schedule.union, dtype=object), (AXIS,)), PartitionSpec(AXIS))
+    return line_sharding(schedule.union)
 
 
 def _table(values: dict[int, Any], n: int, default: Any) -> np.ndarray:
@@ -231,15 +244,7 @@ def _program(schedule: Schedule, k: int) -> Any:
             else:  # each device takes the one candidate that carries its piece
                 which = jnp.asarray(_table(owner, n, 0))[jax.lax.axis_index(AXIS)]
                 values[pos.position] = jax.lax.select_n(which, *candidates)
-
-        def build(prefix: tuple[int, ...]) -> jax.Array:
-            dim = len(prefix)
-            if dim == len(schedule.grid):
-                return values[prefix]
-            parts = [build((*prefix, i)) for i in range(schedule.grid[dim])]
-            return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim + len(batch))
-
-        out = build(())
+        out = assemble(schedule.grid, values.__getitem__, len(batch))
         return (out,) if k == 1 else tuple(out[i] for i in range(k))
 
     return body
@@ -273,7 +278,7 @@ def compiled_program(
 
 @cached(maxsize=64)
 def _zeros_fn(shape: tuple[int, ...], dtype: Any, devices: tuple[Any, ...]) -> Any:
-    sharding = NamedSharding(Mesh(np.array(devices, dtype=object), (AXIS,)), PartitionSpec(AXIS))
+    sharding = line_sharding(devices)
     return jax.jit(lambda: jnp.zeros((len(devices) * shape[0], *shape[1:]), dtype), out_shardings=sharding)
 
 

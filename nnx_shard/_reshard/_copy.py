@@ -18,31 +18,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from nnx_shard._caches import cached
-from nnx_shard._reshard._collective import AXIS, Schedule, Transfer, build_schedule
+from nnx_shard._reshard._blocks import assemble
+from nnx_shard._reshard._collective import AXIS, Schedule, Transfer, build_schedule, line_sharding
 
 
 def within_process(schedule: Schedule) -> bool:
     """True when every piece moves between devices of one process (device_put can copy it)."""
     union = schedule.union
-    transfers = [t for p in schedule.positions for t in (*p.local, *(u for m in p.permutations for u in m))]
-    transfers += [t for r in schedule.rounds for t in r]
-    return all(union[t.src].process_index == union[t.dst].process_index for t in transfers)
-
-
-def _transfers(schedule: Schedule) -> list[Transfer]:
-    out = [t for p in schedule.positions for t in p.local]
-    out += [t for p in schedule.positions for m in p.permutations for t in m]
-    out += [t for r in schedule.rounds for t in r]
-    return out
+    return all(union[t.src].process_index == union[t.dst].process_index for t in schedule.transfers)
 
 
 def _mesh(devices: list[Any]) -> NamedSharding:
-    return NamedSharding(
-        Mesh(np.array(sorted(devices, key=lambda d: d.id), dtype=object), (AXIS,)), PartitionSpec(AXIS)
-    )
+    return line_sharding(sorted(devices, key=lambda d: d.id))
 
 
 @cached(maxsize=256)
@@ -51,7 +41,7 @@ def _plan(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> dict[str, Any
     schedule = build_schedule(shape, src, dst)
     union = schedule.union
     by_source: dict[int, list[Transfer]] = {}
-    for t in _transfers(schedule):
+    for t in schedule.transfers:
         by_source.setdefault(t.src, []).append(t)
     slicing = schedule.piece != schedule.src_block
     rounds = max(len(v) for v in by_source.values()) if slicing else 1
@@ -116,18 +106,10 @@ def assembler(shape: tuple[int, ...], src: Sharding, dst: Sharding, dtype: Any, 
     plan = _plan(shape, src, dst)
     schedule = plan["schedule"]
     grid, batch = schedule.grid, (() if k == 1 else (k,))
-    positions = [p.position for p in schedule.positions] or sorted({t.position for t in _transfers(schedule)})
+    positions = [p.position for p in schedule.positions] or sorted({t.position for t in schedule.transfers})
 
     def body(*pieces: jax.Array) -> tuple[jax.Array, ...]:
-        values = dict(zip(positions, pieces, strict=True))
-
-        def build(prefix: tuple[int, ...]) -> jax.Array:
-            if len(prefix) == len(grid):
-                return values[prefix]
-            parts = [build((*prefix, i)) for i in range(grid[len(prefix)])]
-            return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=len(prefix) + len(batch))
-
-        out = build(())
+        out = assemble(grid, dict(zip(positions, pieces, strict=True)).__getitem__, len(batch))
         return (out,) if k == 1 else tuple(out[i] for i in range(k))
 
     sharding = _mesh(plan["targets"])

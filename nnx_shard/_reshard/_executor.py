@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
@@ -16,7 +14,7 @@ from nnx_shard._errors import ReshardError
 from nnx_shard._paths import flatten_with_paths
 from nnx_shard._placement import from_host
 from nnx_shard._reshard import _collective, _copy
-from nnx_shard._reshard._blocks import Block, block_of_shard, blocks, holder, relative
+from nnx_shard._reshard._blocks import Block, assemble, block_of_shard, blocks, holder, relative
 from nnx_shard._reshard._planner import ReshardPlan, Route, plan_leaf, schedule_jobs, traffic
 from nnx_shard._specs import is_key, itemsize
 
@@ -152,13 +150,12 @@ def _pieces(x: jax.Array, target: Sharding) -> jax.Array:
             for i, (lo, hi) in enumerate(block)
         ]
 
-        def build(prefix: tuple[tuple[int, int], ...], dim: int, d: Any = d, cuts: list = cuts) -> jax.Array:
-            if dim == len(cuts):
-                return _piece(shards, src, prefix, d)
-            parts = [build((*prefix, ab), dim + 1) for ab in itertools.pairwise(cuts[dim])]
-            return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim)
+        def piece(position: tuple[int, ...], d: Any = d, cuts: list = cuts) -> jax.Array:
+            return _piece(
+                shards, src, tuple((c[i], c[i + 1]) for c, i in zip(cuts, position, strict=True)), d
+            )
 
-        out.append(build((), 0))
+        out.append(assemble([len(c) - 1 for c in cuts], piece))
     return jax.make_array_from_single_device_arrays(shape, target, out)
 
 
