@@ -272,3 +272,16 @@ def test_the_trainers_parts_see_it_through_declared_interfaces(tmp_path):
     assert not found, found
     trainer = RegressionTrainer(config(str(tmp_path)))
     assert isinstance(trainer, LoopHost)
+
+
+def test_python_started_next_to_a_checkout_imports_the_package(tmp_path):
+    """A checkout folder named nnx_shard in the working directory is not imported as an empty namespace."""
+    import subprocess
+    import sys
+
+    (tmp_path / "nnx_shard").symlink_to(PACKAGE.parent.parent, target_is_directory=True)
+    code = "import nnx_shard as ns; print(ns.__file__, ns.Trainer.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == [str(PACKAGE / "__init__.py"), "Trainer"], out.stdout + out.stderr
