@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from common import machine, simulate_devices, step_args, write_json
+from common import machine, max_abs_diff, simulate_devices, step_args, write_json
 
 simulate_devices(8)
 
@@ -81,6 +81,13 @@ def main() -> None:
         "ratio_select": round(ms["select"] / ms["none"], 3),
         "target_ratio": 1.02,
         **{f"temp_bytes_{v}": getattr(m, "temp_size_in_bytes", None) for v, (_, _, m) in built.items()},
+        # the same finite steps from the same state: the check changes no update
+        **{
+            f"max_param_diff_{v}_vs_no_check": max_abs_diff(
+                built[v][0].states["model"], built["none"][0].states["model"]
+            )
+            for v in ("cond", "select")
+        },
     }
     write_json(result, args.out)
 

@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from common import machine, simulate_devices, stack_state_factory, step_args, write_json
+from common import machine, max_abs_diff, simulate_devices, stack_state_factory, step_args, write_json
 
 simulate_devices(8)
 
@@ -69,28 +69,30 @@ def restore_times(layers, width, rounds):
     del objects, model
     fresh = nnx.eval_shape(lambda: create()["model"])
     shardings = ns.infer_sharding(fresh, strategy, mesh4)
-    ours, theirs = [], []
+    ours, theirs, equal = [], [], []
     for _ in range(rounds):
         live = {"model": create()["model"]}
         t = time.perf_counter()
         ns.restore_and_reshard(folder, live, strategy, mesh4)
         jax.block_until_ready(nnx.state(live["model"]))
         ours.append(time.perf_counter() - t)
+        mine = nnx.state(live["model"])
         del live
         t = time.perf_counter()
         with ocp.CheckpointManager(folder) as manager:
             got = manager.restore(1, args=ocp.args.StandardRestore(ns.abstract_target(fresh, shardings)))
         jax.block_until_ready(got)
         theirs.append(time.perf_counter() - t)
-        del got
-    return statistics.median(ours), statistics.median(theirs), nbytes
+        equal.append(max_abs_diff(mine, got) == 0.0 and jax.tree.leaves(mine)[0].sharding.mesh == mesh4)
+        del got, mine
+    return statistics.median(ours), statistics.median(theirs), nbytes, all(equal)
 
 
 def main() -> None:
     args, (width, depth, rows, steps, rounds) = step_args()
     step = step_times(width, depth, rows, steps, rounds)
     layers, rwidth = (2, 256) if args.smoke else (8, 2048)
-    ours, orbax, nbytes = restore_times(layers, rwidth, 2 if args.smoke else 5)
+    ours, orbax, nbytes, equal = restore_times(layers, rwidth, 2 if args.smoke else 5)
     result = {
         "benchmark": "bench_idioms",
         "machine": machine(),
@@ -99,6 +101,7 @@ def main() -> None:
         "step_ratio": round(step["explicit"] / step["auto"], 3),
         "step_target_ratio": 1.03,
         "restore_bytes": nbytes,
+        "restored_equal_to_orbax": equal,  # bitwise, on the 4-device mesh
         "restore_s_ours": round(ours, 4),
         "restore_s_orbax": round(orbax, 4),
         "restore_ratio": round(ours / orbax, 3),

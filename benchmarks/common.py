@@ -84,8 +84,21 @@ def hand_written_step(trainer, batch, loss_fn):
     return jitted, states
 
 
+def max_abs_diff(a, b) -> float:
+    """The largest absolute difference between two pytrees of arrays with the same structure."""
+    import jax
+    import jax.numpy as jnp
+
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max((float(jnp.max(jnp.abs(x - y))) for x, y in pairs if x.size), default=0.0)
+
+
 def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
-    """Median seconds per step of the Trainer and of the hand-written step, in alternating rounds."""
+    """Median seconds per step of the Trainer and of the hand-written step, in alternating rounds.
+
+    Returns ``(trainer_s, hand_s, max_param_diff)``: both took the same steps from
+    the same initial state, so their parameters must agree to float tolerance.
+    """
     import statistics
     import time
 
@@ -105,7 +118,8 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
             states, metrics = jitted(states, batch)
         jax.block_until_ready(states)
         theirs.append((time.perf_counter() - t) / steps)
-    return statistics.median(ours), statistics.median(theirs)
+    diff = max_abs_diff(trainer.states["model"], states["model"])
+    return statistics.median(ours), statistics.median(theirs), diff
 
 
 def stack_state_factory(layers: int, width: int):
