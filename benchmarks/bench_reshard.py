@@ -190,10 +190,40 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     return result
 
 
+def repeated(args) -> dict:
+    """The big state's nnx_shard and host round-trip variants ``args.repeat`` times, alternating, with
+    memcpy measured beside each pair: the median warm share of memcpy and time against the host."""
+    import statistics
+
+    shares, ratios, pairs = [], [], []
+    simulate_devices(8)
+    for _ in range(args.repeat):
+        runs = run_variants(__file__, ("nnx_shard.reshard", "host round trip"), args)
+        gbps = memcpy_gbps()
+        ours, host = runs["nnx_shard.reshard"], runs["host round trip"]
+        warm, host_warm = ours["warm"]["round_trip_s"], host["warm"]["round_trip_s"]
+        shares.append(ours["bytes_moved"] / 1e9 / warm / gbps)
+        ratios.append(warm / host_warm)
+        pairs.append({"warm_s": warm, "host_warm_s": host_warm, "memcpy_gb_per_s": round(gbps, 2)})
+    return {
+        "benchmark": "bench_reshard --repeat",
+        "machine": machine(),
+        "layers": args.layers,
+        "width": args.width,
+        "runs": pairs,
+        "median_warm_share_of_memcpy": round(statistics.median(shares), 3),
+        "median_warm_time_vs_host_round_trip": round(statistics.median(ratios), 3),
+        "targets": {"share_of_memcpy": 0.25, "time_vs_host_round_trip": 1.0},
+    }
+
+
 def main() -> None:
     args = variant_args(__doc__)
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.layers, args.width)))
+        return
+    if args.repeat > 1:
+        write_json(repeated(args), args.out)
         return
     runs = run_variants(__file__, VARIANTS, args)
     simulate_devices(8)

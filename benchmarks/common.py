@@ -154,6 +154,9 @@ def variant_args(description: str):
     ap.add_argument("--width", type=int, default=3072)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run the main variants this many times; report medians"
+    )
     args = ap.parse_args()
     args.layers, args.width = (2, 256) if args.smoke else (args.layers, args.width)
     return args
