@@ -190,6 +190,11 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     return result
 
 
+def share_of_memcpy(bytes_moved: int, seconds: float, gbps: float) -> float:
+    """The rate at which the moved bytes went, as a share of this machine's memcpy."""
+    return bytes_moved / 1e9 / seconds / gbps
+
+
 def repeated(args) -> dict:
     """The big state's nnx_shard and host round-trip variants ``args.repeat`` times, alternating, with
     memcpy measured beside each pair: the median warm share of memcpy and time against the host."""
@@ -202,7 +207,7 @@ def repeated(args) -> dict:
         gbps = memcpy_gbps()
         ours, host = runs["nnx_shard.reshard"], runs["host round trip"]
         warm, host_warm = ours["warm"]["round_trip_s"], host["warm"]["round_trip_s"]
-        shares.append(ours["bytes_moved"] / 1e9 / warm / gbps)
+        shares.append(share_of_memcpy(ours["bytes_moved"], warm, gbps))
         ratios.append(warm / host_warm)
         pairs.append({"warm_s": warm, "host_warm_s": host_warm, "memcpy_gb_per_s": round(gbps, 2)})
     return {
@@ -234,7 +239,9 @@ def main() -> None:
     for r in big.values():
         for key in ("cold", "warm"):
             r[key]["gb_per_s_of_bytes_moved"] = round(moved_gb / r[key]["round_trip_s"], 2)
-            r[key]["share_of_memcpy"] = round(moved_gb / r[key]["round_trip_s"] / gbps, 3)
+            r[key]["share_of_memcpy"] = round(
+                share_of_memcpy(ours["bytes_moved"], r[key]["round_trip_s"], gbps), 3
+            )
     deep = runs["nnx_shard, 10k small leaves"]
     result = {
         "benchmark": "bench_reshard",

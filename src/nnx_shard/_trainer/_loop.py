@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from nnx_shard._snapshot import SnapshotWriter
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._observe import compile_seconds
 from nnx_shard._trainer._recovery import RecoveryHost, is_restart, recovery_fields, snapshot, start_snapshots
@@ -82,7 +83,7 @@ class TrainingLoop:
         run = StepLog(host, history)
         start, spent = time.perf_counter(), dict(host.timings)
         try:
-            self._steps(host, run, snapshots, eval_data, end)
+            self._steps(host, batches, run, snapshots, eval_data, end)
             if not run.nonfinite:
                 self._nonfinite_stop(host, run, host.guard, host.step)
             self.stop_reason = self.stop_reason or "finished"
@@ -92,8 +93,15 @@ class TrainingLoop:
             self._finish(host, snapshots, run, previous, (start, spent, history))
         return history
 
-    def _steps(self, host: LoopHost, run: StepLog, snapshots: Any, eval_data: Any, end: int) -> None:
-        assert self.batches is not None
+    def _steps(
+        self,
+        host: LoopHost,
+        batches: _data.Batches,
+        run: StepLog,
+        snapshots: SnapshotWriter | None,
+        eval_data: Any,
+        end: int,
+    ) -> None:
         cfg = host.config
         first, recovering = True, is_restart()
         while host.step < end:
@@ -101,7 +109,7 @@ class TrainingLoop:
                 host.watchdog.arm(f"step {host.step + 1}", cfg.step_timeout, "step_timeout")
             first = False
             try:
-                host_batch = self.batches.next(host.step)
+                host_batch = batches.next(host.step)
             except StopIteration:
                 self.stop_reason = "data exhausted"
                 return
@@ -120,7 +128,7 @@ class TrainingLoop:
             ):
                 return
             if snapshots is not None and host.step % cfg.snapshot_every == 0:
-                snapshot(host, snapshots, host.step, self.batches)
+                snapshot(host, snapshots, host.step, batches)
 
     def _save_at_end(self, host: LoopHost, run: StepLog) -> None:
         cfg = host.config
@@ -152,7 +160,12 @@ class TrainingLoop:
         return self._preempted
 
     def _finish(
-        self, host: LoopHost, snapshots: Any, run: StepLog, previous: Any, started: tuple[float, Any, list]
+        self,
+        host: LoopHost,
+        snapshots: SnapshotWriter | None,
+        run: StepLog,
+        previous: Any,
+        started: tuple[float, Any, list],
     ) -> None:
         """After a ``train()`` call, however it ended: flush, wait for writes, restore SIGTERM, log the run."""
         start, spent, history = started
