@@ -194,12 +194,16 @@ def digest_of(state):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
-def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype):
-    # Large arrays are summed shard by shard on each device, small ones whole: both must agree.
+def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype, monkeypatch):
+    # Large arrays are summed shard by shard on each device, a chunk of small ones whole, small
+    # ones this process holds in NumPy on the host: every path must give the same fingerprint.
+    from nnx_shard import _fingerprint
     from nnx_shard._fingerprint import fingerprints
 
     devices = np.array(jax.devices())
-    host = (np.random.default_rng(0).integers(0, 100, (64, 24, 8)) % 2).astype(dtype)
+    bits = np.random.default_rng(0).integers(0, 256, (64, 24, 8 * np.dtype(dtype).itemsize), dtype=np.uint8)
+    host = bits.view(dtype) if dtype != "bool" else bits % 2 == 1
+    assert host.shape == (64, 24, 8)
     layouts = [
         NamedSharding(Mesh(devices, ("f",)), P("f")),
         NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", None, "a")),
@@ -207,9 +211,38 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
         NamedSharding(Mesh(devices[:3], ("r",)), P(None, "r")),
         NamedSharding(Mesh(devices[:1], ("one",)), P()),
     ]
-    prints = {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
-    prints.add(fingerprints([np.asarray(host)])[0])  # host data: the whole-array program
-    assert len(prints) == 1
+    prints, changed_prints = set(), set()
     changed = host.copy()
-    changed[40, 5, 3] = not changed[40, 5, 3] if dtype == "bool" else changed[40, 5, 3] + 1
-    assert fingerprints([jax.device_put(changed, layouts[1])])[0] not in prints
+    if dtype == "bool":
+        changed[40, 5, 3] = ~changed[40, 5, 3]
+    else:
+        changed[40, 5, 3:4].view(np.uint8)[0] ^= 1  # one bit of one word
+    for host_bytes in (-1, 2**20):  # programs on the devices, then NumPy on the host
+        monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        prints |= {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
+        prints.add(fingerprints([np.asarray(host)])[0])  # host data
+        changed_prints.add(fingerprints([jax.device_put(changed, layouts[1])])[0])
+    assert len(prints) == 1 and len(changed_prints) == 1
+    assert changed_prints.isdisjoint(prints)
+
+
+def test_small_arrays_are_fingerprinted_without_compiling_a_program(monkeypatch):
+    # A first restore's verification compiles one program per large signature only: biases,
+    # norm scales and counters (small, held by this process) are summed on the host.
+    import jax.numpy as jnp
+
+    from nnx_shard import _fingerprint
+
+    mesh = Mesh(np.array(jax.devices()), ("f",))
+    small = [
+        jax.device_put(jnp.arange(3072.0), NamedSharding(mesh, P())),
+        jax.device_put(jnp.arange(4096, dtype=jnp.int8), NamedSharding(mesh, P("f"))),
+        jnp.int32(7),
+    ]
+    large = jax.device_put(jnp.ones((512, 64)), NamedSharding(mesh, P("f")))
+    ns.clear_caches()
+    got = _fingerprint.fingerprints([*small, large])
+    assert _fingerprint._program.cache_info().currsize == 0
+    assert _fingerprint._shard_program.cache_info().currsize == 1  # the large array's own
+    monkeypatch.setattr(_fingerprint, "HOST_BYTES", -1)
+    assert got == _fingerprint.fingerprints([*small, large])  # the same as the devices' programs

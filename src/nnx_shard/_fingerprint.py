@@ -9,7 +9,9 @@ changed word changes it (an odd weight times a non-zero difference is
 non-zero modulo 2**32); several changed words cancel only by a 1 in 2**32
 chance. One pass over the data, memory-bound: about 10 GB/s on a 2-core CPU. Each
 device sums its own shard block by block (the temporary is one 64 KiB block), then
-one psum adds the shards.
+one psum adds the shards. Small arrays whose values this process holds (biases,
+norms, counters) are summed in NumPy on the host: the same sum, and no program to
+compile for each of their shapes, which is most of a first restore's verification.
 """
 
 from __future__ import annotations
@@ -64,6 +66,36 @@ def _weighted_sum(words: jax.Array, index: jax.Array) -> jax.Array:
 @cached(maxsize=None)
 def _program() -> Any:
     return jax.jit(lambda arrays: jnp.stack([_one(x) for x in arrays]))
+
+
+# Arrays up to this size, whose values this process holds, are summed on the host (no compile).
+HOST_BYTES = 2**16
+
+
+def _on_host(x: jax.Array) -> bool:
+    """Whether ``x`` is small and readable here: summed by :func:`_host_sum`, not by a program."""
+    if x.nbytes > HOST_BYTES or is_key(x) or jnp.dtype(x.dtype).itemsize > 4:
+        return False
+    if x.is_fully_addressable:
+        return True
+    return x.sharding.is_fully_replicated and bool(x.sharding.addressable_devices)
+
+
+def _host_sum(value: np.ndarray) -> int:
+    """The sum of :func:`_one` over an array already on the host, in NumPy (uint32 wraps the same way)."""
+    if value.dtype == np.bool_:
+        words = value.astype(np.uint32)
+    else:
+        words = value.view(np.dtype(f"u{value.dtype.itemsize}")).astype(np.uint32)
+    words = words.reshape(-1)
+    index = np.arange(words.size, dtype=np.uint32)
+    return int(np.sum(words * ((index * _C1 + _C2) | np.uint32(1)), dtype=np.uint32))
+
+
+def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
+    """:func:`fingerprints` of small arrays, read to the host together (a replicated one from one copy)."""
+    local = [x if x.is_fully_addressable else x.addressable_data(0) for x in arrays]
+    return [f"{_host_sum(np.asarray(value)):08x}" for value in jax.device_get(local)]
 
 
 # Words per block when a shard is fingerprinted block by block (64 KiB of uint32).
@@ -145,20 +177,24 @@ def _signature(x: jax.Array) -> Any:
 def fingerprints(arrays: Sequence[Any]) -> list[str]:
     """One 8-hex-digit fingerprint per array, computed on the arrays' own devices.
 
-    Arrays of one shape, dtype and sharding share a compiled program, one call
-    per array, or per 64 arrays when more than 64 small ones share it (a deep
-    model). Calls run one after the other (XLA's CPU collectives must not
-    interleave).
+    Small arrays this process holds are summed on the host instead. Arrays of
+    one shape, dtype and sharding share a compiled program, one call per array,
+    or per 64 arrays when more than 64 small ones share it (a deep model). Calls
+    run one after the other (XLA's CPU collectives must not interleave).
 
     >>> a = jnp.arange(8.0)
     >>> fingerprints([a]) == fingerprints([a + 0]), fingerprints([a]) == fingerprints([a.at[3].set(-1.0)])
     (True, False)
     """
     arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
+    out = [""] * len(arrays)
+    small = [i for i, x in enumerate(arrays) if _on_host(x)]
+    for i, value in zip(small, _host_fingerprints([arrays[i] for i in small]), strict=True):
+        out[i] = value
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(arrays):
-        groups.setdefault(_signature(x), []).append(i)
-    out = [""] * len(arrays)
+        if not out[i]:
+            groups.setdefault(_signature(x), []).append(i)
     for members in groups.values():
         first = arrays[members[0]]
         step = CHUNK if first.nbytes <= SMALL_BYTES and len(members) > CHUNK else 1
