@@ -254,3 +254,66 @@ def test_many_small_leaves_share_steps_and_stay_bitwise():
     for i in range(100):
         assert out[f"w{i}"].sharding == dst
         np.testing.assert_array_equal(np.asarray(out[f"w{i}"]), np.full((16, 8), i, np.float32))
+
+
+def _pointers(arrays):
+    return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
+
+
+def test_on_a_cpu_pieces_nobody_holds_change_device_without_a_copy(monkeypatch):
+    # The CPU backend's devices share the host's memory: a piece cut for the move (or given up and
+    # assembled next) is aliased onto its target, so each moved byte is copied once, not twice.
+    import gc
+
+    from nnx_shard._reshard import _copy
+
+    aliased = []
+    alias = _copy._alias
+    monkeypatch.setattr(_copy, "_alias", lambda ps, ds: aliased.extend(p.nbytes for p in ps) or alias(ps, ds))
+    tp, fsdp = named(D()[:4], (4,), ("tp",), None, "tp"), named(D(), (8,), ("fsdp",), None, "fsdp")
+    host = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
+    x = jax.device_put(host, tp)
+    plan = ns.plan_reshard(x, fsdp)
+    with no_host_transfers():  # the caller's guard stays in force: nothing goes through the host
+        y = ns.reshard(x, fsdp, donate=True)  # cut on the 4 tp devices, nothing to assemble
+    assert x.is_deleted() and sum(aliased) == plan.bytes_moved == 7 * 512 * 32 * 4
+    gc.collect()
+    junk = [jnp.full((1 << 20,), 7.0, device=d) for d in D()]  # reuses any memory that was freed
+    np.testing.assert_array_equal(np.asarray(y), host)
+    # No live array on another device holds the memory a moved piece came from: each counts once.
+    home = {s.data.unsafe_buffer_pointer(): s.device for s in y.addressable_shards}
+    elsewhere = [
+        (s.device, home[p])
+        for a in jax.live_arrays()
+        for s in a.addressable_shards
+        if (p := s.data.unsafe_buffer_pointer()) in home and s.device != home[p]
+    ]
+    assert not elsewhere and len(home) == 8
+    z = jax.jit(lambda a: a + 1, donate_argnums=0)(y)  # the result owns its buffers
+    np.testing.assert_array_equal(np.asarray(z), host + 1)
+    del junk
+
+
+def test_on_a_cpu_pieces_someone_could_write_are_copied(monkeypatch):
+    # A piece bound for several devices, or one the caller keeps (no donate), is copied: two arrays
+    # on one memory would let a donated step write both.
+    from nnx_shard._reshard import _copy
+
+    aliased = []
+    alias = _copy._alias
+    monkeypatch.setattr(_copy, "_alias", lambda ps, ds: aliased.extend(ps) or alias(ps, ds))
+    fsdp, tp = named(D(), (8,), ("fsdp",), None, "fsdp"), named(D()[:4], (4,), ("tp",), None, "tp")
+    replicated = named(D()[:4], (4,), ("tp",))
+    host = np.arange(64 * 256, dtype=np.int32).reshape(64, 256)
+    kept = jax.device_put(host, fsdp)
+    y = ns.reshard(kept, tp)  # no donate: the pieces are the caller's
+    assert not aliased and not kept.is_deleted()
+    np.testing.assert_array_equal(np.asarray(kept), host)
+    r = ns.reshard(jax.device_put(host, fsdp), replicated, donate=True)  # each piece to 4 devices
+    assert not aliased and len(set(_pointers([r]))) == 4
+    w = jax.jit(lambda a: a * 2, donate_argnums=0)(r)
+    np.testing.assert_array_equal(np.asarray(w), host * 2)
+    np.testing.assert_array_equal(np.asarray(y), host)
+    given_up = ns.reshard(jax.device_put(host, fsdp), tp, donate=True)  # given up and assembled: aliased
+    assert len(aliased) == 7 and len(set(_pointers([given_up]))) == 4  # all but device 0's own piece
+    np.testing.assert_array_equal(np.asarray(given_up), host)

@@ -6,13 +6,18 @@ steps that each touch only the devices they need: one program over the
 source devices cuts the pieces out of their blocks (skipped when a piece is a
 whole block), one batched ``jax.device_put`` copies every piece to its target
 device, and one program over the target devices concatenates each block's
-pieces (skipped when a block is one piece). Nothing runs on a device outside
+pieces (skipped when a block is one piece). On the CPU backend, where every
+device's memory is the host's, a piece that no caller holds changes device
+by aliasing its buffer instead of copying it: each moved byte is then copied
+once (cut or assembled), not twice. Nothing runs on a device outside
 the source or target, so nothing is computed or allocated there; transfers
 must stay within the process (across processes the collective route runs).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -130,6 +135,67 @@ def assembler(shape: tuple[int, ...], src: Sharding, dst: Sharding, dtype: Any, 
         return fn.lower(*([aval] * len(positions))).compile(), positions
 
 
+def _aliasable(piece: jax.Array, device: Any) -> bool:
+    """Whether ``piece`` can change device without a copy: both CPUs (one host memory), whole bytes."""
+    (here,) = piece.devices()
+    return here.platform == device.platform == "cpu" and jax.dtypes.itemsize_bits(piece.dtype) % 8 == 0
+
+
+def _alias(pieces: list[jax.Array], devices: list[Any]) -> list[jax.Array]:
+    """Each CPU buffer as an array of another CPU device, sharing its memory (no byte copied).
+
+    On the CPU backend every device's memory is the host's: a NumPy view of the
+    buffer placed with ``may_alias=True`` is the same memory on the other
+    device. The view holds a reference, so the memory outlives the source array
+    when that is deleted. This is no host transfer (nothing is copied), so the
+    transfer guard is lifted for these two calls only.
+    """
+    with jax.transfer_guard("allow"):
+        return [
+            jax.device_put(np.asarray(p), d, may_alias=True) for p, d in zip(pieces, devices, strict=True)
+        ]
+
+
+def _place(
+    needed: list[tuple[Any, tuple[int, ...], int, int]],
+    pieces: list[dict[Any, jax.Array]],
+    union: Sequence[Any],
+    fresh: bool,
+    internal: bool,
+    delete_sent: bool,
+) -> dict[tuple[Any, tuple[int, ...]], jax.Array]:
+    """Every (target device, position)'s piece on its device: kept, aliased (CPU) or copied.
+
+    A piece aliases only when it is ``internal`` (no caller holds it) and goes
+    to one place: two arrays on one memory would let a donated step write both.
+    With ``delete_sent``, the aliased pieces' source arrays are deleted at once
+    (the memory stays with the alias), so no device counts it twice.
+    """
+    uses = Counter((r, s) for _, _, r, s in needed)
+    at: dict[tuple[Any, tuple[int, ...]], jax.Array] = {}
+    aliased, copied = [], []
+    for d, q, r, s in needed:
+        piece = pieces[r][union[s]]
+        if union[s] == d:
+            at[(d, q)] = piece if fresh else jax.device_put(piece, d, may_alias=False)
+        elif internal and uses[(r, s)] == 1 and _aliasable(piece, d):
+            aliased.append((d, q, piece))
+        else:
+            copied.append((d, q, piece))
+    moved = _alias([p for _, _, p in aliased], [d for d, _, _ in aliased]) if aliased else []
+    moved += (
+        jax.device_put([p for _, _, p in copied], [d for d, _, _ in copied], may_alias=False)
+        if copied
+        else []
+    )
+    for (d, q, _), y in zip(aliased + copied, moved, strict=True):
+        at[(d, q)] = y
+    if delete_sent:
+        for _, _, piece in aliased:
+            piece.delete()
+    return at
+
+
 def needs_assembly(schedule: Schedule, k: int) -> bool:
     return k > 1 or any(g > 1 for g in schedule.grid)
 
@@ -159,19 +225,9 @@ def run(xs: list[jax.Array], target: Sharding, donate: bool) -> list[jax.Array]:
     needed = [
         (union[i], q, *plan["where"][(i, q)]) for (i, q) in plan["where"] if union[i].process_index == mine
     ]
-    remote = [(d, q, pieces[r][union[s]]) for d, q, r, s in needed if union[s] != d]
-    copies = (
-        jax.device_put([p for _, _, p in remote], [d for d, _, _ in remote], may_alias=False)
-        if remote
-        else []
-    )
-    at: dict[tuple[Any, tuple[int, ...]], jax.Array] = {
-        (d, q): c for (d, q, _), c in zip(remote, copies, strict=True)
-    }
-    for d, q, r, s in needed:
-        if union[s] == d:
-            piece = pieces[r][d]
-            at[(d, q)] = piece if fresh else jax.device_put(piece, d, may_alias=False)
+    # Internal pieces (cut here, or given up and assembled next) may alias on a CPU instead of copying.
+    internal = fresh and (plan["slicing"] or k > 1 or needs_assembly(schedule, k))
+    at = _place(needed, pieces, union, fresh, internal, delete_sent=plan["slicing"] or k > 1)
     if not needs_assembly(schedule, k):
         blocks_out = [
             {d: at[(d, (0,) * len(schedule.grid))] for d in plan["targets"] if d.process_index == mine}
