@@ -193,10 +193,13 @@ def digest_of(state):
     ]
 
 
+# How fingerprints are computed: by the devices' programs, in NumPy on the host (small arrays), or
+# in place on CPU devices by marginal sums. Every way must give the same fingerprint.
+PATHS = {"programs": (-1, False), "host": (2**20, False), "in place": (-1, True)}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
 def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype, monkeypatch):
-    # Large arrays are summed shard by shard on each device, a chunk of small ones whole, small
-    # ones this process holds in NumPy on the host: every path must give the same fingerprint.
     from nnx_shard import _fingerprint
     from nnx_shard._fingerprint import fingerprints
 
@@ -210,6 +213,7 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
         NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P(None, ("a", "b"))),
         NamedSharding(Mesh(devices[:3], ("r",)), P(None, "r")),
         NamedSharding(Mesh(devices[:1], ("one",)), P()),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("a")),  # replicated over b: each block once
     ]
     prints, changed_prints = set(), set()
     changed = host.copy()
@@ -217,8 +221,9 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
         changed[40, 5, 3] = ~changed[40, 5, 3]
     else:
         changed[40, 5, 3:4].view(np.uint8)[0] ^= 1  # one bit of one word
-    for host_bytes in (-1, 2**20):  # programs on the devices, then NumPy on the host
+    for host_bytes, in_place in PATHS.values():
         monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
         prints |= {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
         prints.add(fingerprints([np.asarray(host)])[0])  # host data
         changed_prints.add(fingerprints([jax.device_put(changed, layouts[1])])[0])
@@ -226,9 +231,38 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
     assert changed_prints.isdisjoint(prints)
 
 
-def test_small_arrays_are_fingerprinted_without_compiling_a_program(monkeypatch):
-    # A first restore's verification compiles one program per large signature only: biases,
-    # norm scales and counters (small, held by this process) are summed on the host.
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((8192,), P("f")),
+        ((12288,), P()),
+        ((48, 7), P("f")),
+        ((8, 6, 5), P(None, "f")),
+        ((40, 6), P(None, "f")),
+    ],
+    ids=str,
+)
+def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatch):
+    # One long row is summed as rows of up to 4096 words; an odd stride before the last
+    # dimension (the (48, 7) and (8, 6, 5) cases) leaves the array to the devices' programs.
+    from nnx_shard import _fingerprint
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices[: 8 if spec == P("f") else 2], ("f",))
+    host = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    x = jax.device_put(host, NamedSharding(mesh, spec))
+    got = set()
+    for host_bytes, in_place in PATHS.values():
+        monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        got.add(_fingerprint.fingerprints([x])[0])
+    assert len(got) == 1
+    assert _fingerprint._in_place(x) == (shape not in [(48, 7), (8, 6, 5)])
+
+
+def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
+    # A first restore's verification on CPU devices compiles no program: small arrays (biases,
+    # norm scales, counters) are summed on the host, large ones in place where they lie.
     import jax.numpy as jnp
 
     from nnx_shard import _fingerprint
@@ -241,8 +275,11 @@ def test_small_arrays_are_fingerprinted_without_compiling_a_program(monkeypatch)
     ]
     large = jax.device_put(jnp.ones((512, 64)), NamedSharding(mesh, P("f")))
     ns.clear_caches()
-    got = _fingerprint.fingerprints([*small, large])
+    with jax.transfer_guard("disallow"):  # reading a CPU buffer in place is no transfer
+        got = _fingerprint.fingerprints([*small, large])
     assert _fingerprint._program.cache_info().currsize == 0
-    assert _fingerprint._shard_program.cache_info().currsize == 1  # the large array's own
+    assert _fingerprint._shard_program.cache_info().currsize == 0
     monkeypatch.setattr(_fingerprint, "HOST_BYTES", -1)
+    monkeypatch.setattr(_fingerprint, "IN_PLACE", False)
     assert got == _fingerprint.fingerprints([*small, large])  # the same as the devices' programs
+    assert _fingerprint._shard_program.cache_info().currsize == 3  # what these paths spare: 3 compiles
