@@ -183,7 +183,9 @@ def _in_place_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
                 data = np.asarray(shard.data)
                 words = data.view(np.uint8 if data.dtype == np.bool_ else np.dtype(f"u{data.dtype.itemsize}"))
                 blocks.append((n, words, bases[shard.device], strides))
-    workers = max(1, min(len(blocks), os.cpu_count() or 1))
+    if not blocks:
+        return ["00000000"] * len(arrays)  # nothing to sum: empty arrays
+    workers = min(len(blocks), os.cpu_count() or 1)
     shares: list[list[tuple[int, np.ndarray, int, list[int]]]] = [[] for _ in range(workers)]
     load = [0] * workers
     for block in sorted(blocks, key=lambda b: -b[1].nbytes):
