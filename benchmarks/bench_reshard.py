@@ -207,24 +207,29 @@ def repeated(args) -> dict:
     memcpy measured beside each pair: the median warm share of memcpy and time against the host."""
     import statistics
 
-    shares, ratios, pairs = [], [], []
+    shares, ratios, pairs = {"warm": [], "first_warm": []}, {"warm": [], "first_warm": []}, []
     simulate_devices(8)
     for _ in range(args.repeat):
         runs = run_variants(__file__, ("nnx_shard.reshard", "host round trip"), args)
         gbps = memcpy_gbps()
         ours, host = runs["nnx_shard.reshard"], runs["host round trip"]
-        warm, host_warm = ours["warm"]["round_trip_s"], host["warm"]["round_trip_s"]
-        shares.append(share_of_memcpy(ours["bytes_moved"], warm, gbps))
-        ratios.append(warm / host_warm)
-        pairs.append({"warm_s": warm, "host_warm_s": host_warm, "memcpy_gb_per_s": round(gbps, 2)})
+        pair = {"memcpy_gb_per_s": round(gbps, 2)}
+        for key in shares:  # the median of the warm round trips, and the first of them alone
+            mine, theirs = ours[key]["round_trip_s"], host[key]["round_trip_s"]
+            shares[key].append(share_of_memcpy(ours["bytes_moved"], mine, gbps))
+            ratios[key].append(mine / theirs)
+            pair.update({f"{key}_s": mine, f"host_{key}_s": theirs})
+        pairs.append(pair)
     return {
         "benchmark": "bench_reshard --repeat",
         "machine": machine(),
         "layers": args.layers,
         "width": args.width,
         "runs": pairs,
-        "median_warm_share_of_memcpy": round(statistics.median(shares), 3),
-        "median_warm_time_vs_host_round_trip": round(statistics.median(ratios), 3),
+        "median_warm_share_of_memcpy": round(statistics.median(shares["warm"]), 3),
+        "median_warm_time_vs_host_round_trip": round(statistics.median(ratios["warm"]), 3),
+        "median_first_warm_share_of_memcpy": round(statistics.median(shares["first_warm"]), 3),
+        "median_first_warm_time_vs_host_round_trip": round(statistics.median(ratios["first_warm"]), 3),
         "targets": {"share_of_memcpy": 0.25, "time_vs_host_round_trip": 1.0},
     }
 

@@ -159,3 +159,21 @@ def test_benchmark_smoke(name, tmp_path):
     out_file = tmp_path / f"{name}.json"
     run(f"bench_{name}.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
     BENCHMARKS[name](json.loads(out_file.read_text()))
+
+
+def test_reshard_repeat_reports_medians_of_its_runs(tmp_path):
+    # issue 25's measure: the median of N alternating runs, for the warm round trips' median and
+    # for the first warm round trip alone, each against the host round trip of the same run.
+    import statistics
+
+    out_file = tmp_path / "repeat.json"
+    run("bench_reshard.py", "--smoke", "--repeat", "2", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    assert len(result["runs"]) == 2
+    for key in ("warm", "first_warm"):
+        ratios = [r[f"{key}_s"] / r[f"host_{key}_s"] for r in result["runs"]]
+        assert result[f"median_{key}_time_vs_host_round_trip"] == pytest.approx(
+            statistics.median(ratios),
+            rel=0.25,  # the times in the JSON are rounded to 1 ms
+        )
+        assert 0 < result[f"median_{key}_share_of_memcpy"] < 1
