@@ -28,6 +28,7 @@ import numpy as np
 from common import (
     DeviceMemory,
     machine,
+    median_warm,
     no_host_transfers,
     peak_rss_bytes,
     run_variants,
@@ -182,9 +183,11 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     assert all((a == b).all() for a, b in zip(got, reference, strict=True)), (
         "the round trip changed the values"
     )
-    warm = sorted(rounds[1:], key=lambda r: r["round_trip_s"])[(len(rounds) - 2) // 2]  # the median
     result.update(
-        cold=rounds[0], warm=warm, first_warm=rounds[1], peak_rss_growth_bytes=peak_rss_bytes() - base_rss
+        cold=rounds[0],
+        warm=median_warm(rounds),
+        first_warm=rounds[1],
+        peak_rss_growth_bytes=peak_rss_bytes() - base_rss,
     )
     if variant.startswith("nnx_shard"):
         result.update(

@@ -122,6 +122,12 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
     return statistics.median(ours), statistics.median(theirs), diff
 
 
+def median_warm(rounds: list[dict]) -> dict:
+    """The round of median ``round_trip_s`` among the warm ones (all but the first, cold, round)."""
+    warm = sorted(rounds[1:], key=lambda r: r["round_trip_s"])
+    return warm[(len(warm) - 1) // 2]
+
+
 def stack_state_factory(layers: int, width: int):
     """The benchmarks' big state: ``layers`` square Linear layers + adamw + EMA (1.125 GiB at 8 x 3072)."""
     import optax

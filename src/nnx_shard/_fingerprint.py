@@ -85,9 +85,19 @@ def _program() -> Any:
 HOST_BYTES = 2**16
 
 
+def _whole_words(x: jax.Array) -> bool:
+    """Whether NumPy can sum ``x``'s words as :func:`_words` makes them: bytes of 1, 2 or 4, no key."""
+    return not is_key(x) and jax.dtypes.itemsize_bits(x.dtype) % 8 == 0 and jnp.dtype(x.dtype).itemsize <= 4
+
+
+def _word_view(data: np.ndarray) -> np.ndarray:
+    """``data``'s words as unsigned integers of its width (a bool as one byte, 0 or 1), no copy."""
+    return data.view(np.uint8 if data.dtype == np.bool_ else np.dtype(f"u{data.dtype.itemsize}"))
+
+
 def _on_host(x: jax.Array) -> bool:
     """Whether ``x`` is small and readable here: summed by :func:`_host_sum`, not by a program."""
-    if x.nbytes > HOST_BYTES or is_key(x) or jnp.dtype(x.dtype).itemsize > 4:
+    if x.nbytes > HOST_BYTES or not _whole_words(x):
         return False
     if x.is_fully_addressable:
         return True
@@ -95,14 +105,8 @@ def _on_host(x: jax.Array) -> bool:
 
 
 def _host_sum(value: np.ndarray) -> int:
-    """The sum of :func:`_one` over an array already on the host, in NumPy (uint32 wraps the same way)."""
-    if value.dtype == np.bool_:
-        words = value.astype(np.uint32)
-    else:
-        words = value.view(np.dtype(f"u{value.dtype.itemsize}")).astype(np.uint32)
-    words = words.reshape(-1)
-    index = np.arange(words.size, dtype=np.uint32)
-    return int(np.sum(words * ((index * _C1 + _C2) | np.uint32(1)), dtype=np.uint32))
+    """The sum of :func:`_one` over an array already on the host: one block of one row."""
+    return _block_sum(_word_view(value).reshape(-1), 0, [1])
 
 
 def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
@@ -122,9 +126,7 @@ def _word_strides(shape: Sequence[int]) -> list[int]:
 def _in_place(x: jax.Array) -> bool:
     """Whether ``x`` is summed in place by :func:`_block_sum`: on this process's CPUs, whole bytes of
     at most 4, and every dimension but the last of even stride (a word's parity is then its last index's)."""
-    if not IN_PLACE or is_key(x) or x.ndim == 0 or not x.is_fully_addressable:
-        return False
-    if jax.dtypes.itemsize_bits(x.dtype) % 8 or jnp.dtype(x.dtype).itemsize > 4:
+    if not IN_PLACE or x.ndim == 0 or not x.is_fully_addressable or not _whole_words(x):
         return False
     if any(d.platform != "cpu" for d in x.sharding.device_set):
         return False
@@ -181,9 +183,7 @@ def _in_place_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
         strides, bases = _bases(tuple(x.shape), x.sharding)
         for shard in x.addressable_shards:
             if shard.device in bases:  # each block once
-                data = np.asarray(shard.data)
-                words = data.view(np.uint8 if data.dtype == np.bool_ else np.dtype(f"u{data.dtype.itemsize}"))
-                blocks.append((n, words, bases[shard.device], strides))
+                blocks.append((n, _word_view(np.asarray(shard.data)), bases[shard.device], strides))
     if not blocks:
         return ["00000000"] * len(arrays)  # nothing to sum: empty arrays
     workers = min(len(blocks), os.cpu_count() or 1)
