@@ -8,7 +8,7 @@ LATEST_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]* 2>/
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-fast slow-list test-latest lint install bench chaos clean
+.PHONY: demo test test-fast slow-list test-latest test-interop interop-install lint install bench chaos clean
 
 # The oldest supported jax, flax, optax and orbax-checkpoint, pinned (constraints/oldest.txt).
 OLDEST := constraints/oldest.txt
@@ -17,7 +17,7 @@ STACK = import sys, jax, flax, optax, orbax.checkpoint as o; print('Python', sys
 $(STAMP): pyproject.toml $(OLDEST)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(OLDEST) -e ".[test,examples,data,tpu]"
+	$(PY) -m pip install -q -c $(OLDEST) -e ".[test,examples,data,tpu,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -51,10 +51,29 @@ test-latest: $(LATEST_STAMP)
 	@$(LATEST)/bin/python -c "$(STACK)" | sed 's|^|make test-latest (the newest releases): |'
 	JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q
 
+# The whole round trip against the real thing: torch (its CPU build, Python 3.11), transformers, peft,
+# google-tunix and qwix. HF folder -> tunix on fsdp:8 -> qwix LoRA fine-tune -> resume on 4 devices ->
+# merged export -> transformers' logits; PEFT export -> PeftModel's logits.
+INTEROP := .venv-interop
+INTEROP_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.11* 2>/dev/null | sort -V | tail -n 1 | sed 's|$$|/bin/python|')
+INTEROP_STAMP := $(INTEROP)/.installed
+
+$(INTEROP_STAMP): pyproject.toml $(OLDEST)
+	test -x $(INTEROP)/bin/python || $(or $(INTEROP_PYTHON),python3.11) -m venv $(INTEROP)
+	$(INTEROP)/bin/python -m pip install -q --upgrade pip
+	$(INTEROP)/bin/python -m pip install -q -c $(OLDEST) -e ".[test,interop]"
+	touch $(INTEROP_STAMP)
+
+interop-install: $(INTEROP_STAMP)
+
+test-interop: $(INTEROP_STAMP)
+	@$(INTEROP)/bin/python -c "$(STACK); import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | sed 's|^|make test-interop: |'
+	JAX_PLATFORMS=cpu $(INTEROP)/bin/python -m pytest -q -p no:cacheprovider tests/interop
+
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py
 
-BENCHES := infer init reshard resize restore step guard idioms recovery snapshot load tpu vit
+BENCHES := create infer init reshard resize restore step guard idioms recovery snapshot load tpu vit
 
 bench: $(STAMP)
 	cd benchmarks && for b in $(BENCHES); do JAX_PLATFORMS=cpu ../$(PY) bench_$$b.py --out results/bench_$$b.json || exit 1; done
@@ -64,4 +83,4 @@ chaos: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) benchmarks/chaos.py --trials $(or $(TRIALS),100)
 
 clean:
-	rm -rf $(VENV) $(LATEST) build *.egg-info
+	rm -rf $(VENV) $(LATEST) $(INTEROP) build *.egg-info

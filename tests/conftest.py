@@ -120,3 +120,7 @@ def pytest_collection_modifyitems(config, items):
         )
         if module in SLOW_MODULES or uses_processes or item.nodeid.split("[")[0] in timed:
             item.add_marker(pytest.mark.slow)
+
+
+# tests/data holds test data and the script that regenerates it with torch (not a test module)
+collect_ignore_glob = ["data/*"]

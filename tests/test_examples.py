@@ -31,6 +31,14 @@ def test_sharding_demo():
     assert "still P(None, 'fsdp') after training" in out
 
 
+def test_finetune_hf_example(tmp_path):
+    pytest.importorskip("tunix")
+    out = run("examples/finetune_hf/finetune.py", "--steps", "4", "--workdir", str(tmp_path))
+    assert "resumed from step 2 on 4 devices" in out
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+
+
 def test_lora_example(tmp_path):
     out = run("examples/lora/finetune.py", "--steps", "6", "--workdir", str(tmp_path))
     figures = json.loads(out[out.rindex("\n{") + 1 :])

@@ -11,7 +11,8 @@ Every exception is also under :mod:`nnx_shard.errors`. The seeds' API
 their new home.
 """
 
-from nnx_shard import errors
+# _versions first: a jax/flax pair that cannot import is named before anything else imports flax
+from nnx_shard import _versions, errors, key_maps  # noqa: F401
 from nnx_shard._caches import clear_caches
 from nnx_shard._checkpoint import Checkpointer
 from nnx_shard._checkpoint_format import RestoreOptions, RestoreReport, abstract_target
@@ -30,6 +31,7 @@ from nnx_shard._mesh import (
 )
 from nnx_shard._multihost import barrier_sync, data_sharding, host_local_to_global
 from nnx_shard._paths import Leaf, flatten_state
+from nnx_shard._peft import save_peft_adapters
 from nnx_shard._placement import create_sharded, place_like_target, sharded_init_fn
 from nnx_shard._plan import LeafPlacement, ShardingPlan, format_bytes
 from nnx_shard._reshard import (
@@ -57,6 +59,7 @@ __all__ = [
     *_ERRORS,
     "compat",
     "errors",
+    "key_maps",
     "Checkpointer",
     "CompileReport",
     "LaunchInfo",
@@ -107,6 +110,7 @@ __all__ = [
     "reshard",
     "reshard_with_intermediate_sharding",
     "restore_and_reshard",
+    "save_peft_adapters",
     "save_safetensors",
     "shard_dim",
     "sharded_init_fn",

@@ -14,6 +14,8 @@ True
 
 from __future__ import annotations
 
+import enum
+
 
 class NnxShardError(Exception):
     """The root of every error nnx_shard raises."""
@@ -177,6 +179,31 @@ class CLIError(ConfigError):
 
 
 # -- the wrong kind of object (TypeError) ------------------------------------------
+
+
+class EmptyStateKind(enum.Enum):
+    """Why a state has nothing to place or train (:attr:`EmptyStateError.kind`)."""
+
+    NO_PARAMETERS = "no parameters"
+    WRT_SELECTS_NOTHING = "wrt selects nothing"
+    HIDDEN_VARIABLES = "Variables nnx.state does not see"
+
+
+class EmptyStateError(ShardingError):
+    """A model with nothing to place or train, named before anything compiles; ``kind`` says which case.
+
+    >>> e = EmptyStateError(EmptyStateKind.NO_PARAMETERS, "the model holds no nnx.Param")
+    >>> e.kind.value, str(e)
+    ('no parameters', 'the model holds no nnx.Param')
+    """
+
+    def __init__(self, kind: EmptyStateKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class IncompatibleVersionsError(NnxShardError, ImportError):
+    """Installed jax and flax versions that do not import together; the message names both and the fix."""
 
 
 class StateTypeError(NnxShardError, TypeError):

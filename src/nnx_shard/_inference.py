@@ -14,6 +14,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._errors import (
+    EmptyStateError,
+    EmptyStateKind,
     InvalidRegexError,
     InvalidStrategyError,
     StateTypeError,
@@ -22,7 +24,7 @@ from nnx_shard._errors import (
     UnusedRuleWarning,
 )
 from nnx_shard._explicit import explicit_axes
-from nnx_shard._paths import Leaf, flatten_leaves
+from nnx_shard._paths import Leaf, flatten_leaves, is_graph_object
 from nnx_shard._plan import LeafPlacement, ShardingPlan
 from nnx_shard._specs import WHOLE, Spec, bytes_per_device, finalize_spec, normalize_spec, spec_axes
 from nnx_shard._tactic_parser import as_tactic
@@ -108,6 +110,28 @@ def _check_state(state: Any) -> None:
         )
 
 
+def _check_not_empty(state: Any, leaves: list[Leaf]) -> None:
+    if not leaves and _holds_graph_objects(state):
+        raise EmptyStateError(
+            EmptyStateKind.NO_PARAMETERS,
+            f"nnx.state of the objects given ({_describe(state)}) holds no Variable: there is nothing to "
+            f"place. Pass the model whose weights you train (or nnx.eval_shape of its factory).",
+        )
+
+
+def _holds_graph_objects(state: Any) -> bool:
+    if is_graph_object(state):
+        return True
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return any(is_graph_object(v) for v in values)
+
+
+def _describe(state: Any) -> str:
+    if isinstance(state, dict):
+        return ", ".join(f"{k}: {type(v).__name__}" for k, v in state.items())
+    return type(state).__name__
+
+
 def _mark_stacked(leaf: Leaf, names: Sequence[str]) -> Spec:
     """The starting spec: dimensions NNX marks as stacked layers are kept whole."""
     annotation = leaf.annotation() or ()
@@ -174,6 +198,7 @@ def plan_sharding(
     _check_state(state)
     rules = _compile_strategy(strategy)
     leaves, treedef = flatten_leaves(state)
+    _check_not_empty(state, leaves)
     cache: dict[Spec, NamedSharding] = {}
 
     def sharding_for(spec: Spec) -> NamedSharding:

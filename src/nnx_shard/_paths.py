@@ -206,15 +206,24 @@ def as_state(tree: Any) -> tuple[Any, int]:
     of them becomes the same container of states, whose keys name groups.
     """
     if is_graph_object(tree):
-        return nnx.state(tree), 0
+        return _visible_state(tree), 0
     if type(tree) in (dict, list, tuple) and tree:
         values = tree.values() if isinstance(tree, dict) else tree
         if any(is_graph_object(v) or isinstance(v, nnx.State) for v in values):
-            conv = lambda v: nnx.state(v) if is_graph_object(v) else v
+            conv = lambda v: _visible_state(v) if is_graph_object(v) else v
             if isinstance(tree, dict):
                 return {k: conv(v) for k, v in tree.items()}, 1
             return type(tree)(conv(v) for v in tree), 1
     return tree, 0
+
+
+def _visible_state(obj: Any) -> Any:
+    """``nnx.state(obj)`` once every Variable of ``obj`` is visible to it (see ``_visibility``)."""
+    from nnx_shard._visibility import raise_hidden, reveal
+
+    if hidden := reveal(obj):
+        raise_hidden(hidden, type(obj).__name__)
+    return nnx.state(obj)
 
 
 def _annotation_names(meta: dict[str, Any]) -> Any:

@@ -246,12 +246,14 @@ def sharded_init_fn(
         with _creation(mesh, rules, eager):
             with abstract_construction():
                 abstract = nnx.eval_shape(factory)
-    except ValueError:
-        if not nnx.using_eager_sharding():
-            raise
-        # Flax's eager sharding could not place an annotation on this mesh (a logical name no
-        # rule maps, a mesh of mixed axis types): the plan places every leaf anyway.
+    except ValueError as first:
+        # Flax could not place an annotation on this mesh (an axis the mesh lacks, a logical name
+        # no rule maps, a mesh of mixed axis types). ``nnx.eval_shape`` attaches shardings whenever
+        # a mesh is in context, even with eager sharding turned off globally (google-tunix does so
+        # on import), so this is retried with no mesh in context whatever Flax's flags say: the
+        # plan places every leaf. A factory's own ValueError raises again from the retry.
         eager = False
+        log.debug("creation under the mesh failed (%s); retrying with no mesh in context", first)
         with _creation(mesh, rules, eager):
             with abstract_construction():
                 abstract = nnx.eval_shape(factory)

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
-import json
 import math
 import os
 import re
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,11 +27,8 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard._errors import WeightsMismatchError
-from nnx_shard._paths import flatten_with_paths, is_graph_object
-from nnx_shard._weight_transforms import Box, Op, apply, full_ops, parse, source_box
-
-Rule = tuple[str, Any] | tuple[str, Any, str | None]
-STACK_INDEX = re.compile(r"^(.*)\[([\d,\s]+)\]$")
+from nnx_shard._weight_keys import Rule, key_rules, model_leaves, resolve_files, targets_of
+from nnx_shard._weight_transforms import Box, Op, apply, full_ops, source_box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,66 +68,6 @@ class _Fill:
     index: tuple[int, ...]  # of a stacked leaf's leading axes
     ops: tuple[Op, ...]
     file_shape: tuple[int, ...]
-
-
-def resolve_files(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
-    """A path, a glob, a list, or a folder (with Hugging Face's ``model.safetensors.index.json``, or not)."""
-    if isinstance(files, (str, os.PathLike)):
-        path = Path(files)
-        if path.is_dir():
-            index = path / "model.safetensors.index.json"
-            if index.exists():
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                return [str(path / n) for n in names]
-            found = sorted(str(p) for p in path.glob("*.safetensors"))
-        else:
-            found = sorted(glob.glob(str(path))) if any(c in str(path) for c in "*?[") else [str(path)]
-    else:
-        found = [str(f) for f in files]
-    missing = [f for f in found if not Path(f).is_file()]
-    if not found or missing:
-        raise WeightsMismatchError(
-            f"no safetensors files at {files!r}{f' (missing: {missing})' if missing else ''}; pass a file, a "
-            f"glob, a list, or a folder holding *.safetensors (with model.safetensors.index.json)."
-        )
-    return found
-
-
-def key_rules(key_map: Sequence[Rule]) -> list[tuple[re.Pattern[str], list[tuple[str, tuple[Op, ...]]]]]:
-    out = []
-    for rule in key_map:
-        if not isinstance(rule, (tuple, list)) or len(rule) not in (2, 3):
-            raise WeightsMismatchError(
-                f"a key map rule is (regex, target) or (regex, target, transform), or (regex, "
-                f"[(target, transform), ...]); got {rule!r}."
-            )
-        pattern, target = rule[0], rule[1]
-        transform = rule[2] if len(rule) == 3 else None
-        try:
-            regex = re.compile(pattern)
-        except re.error as e:
-            raise WeightsMismatchError(f"key map regex {pattern!r} does not compile: {e}") from e
-        pairs = [(target, transform)] if isinstance(target, str) else list(target)
-        out.append((regex, [(t, parse(tr)) for t, tr in pairs]))
-    return out
-
-
-def targets_of(
-    m: re.Match[str], outs: list[tuple[str, tuple[Op, ...]]]
-) -> list[tuple[str, tuple[int, ...], Any]]:
-    """``(leaf path, stacked index, ops)`` of each target a matched rule fills (``layers[\\1]`` -> index)."""
-    out = []
-    for template, ops in outs:
-        target, index = m.expand(template), ()
-        if (hit := STACK_INDEX.match(target)) is not None:
-            target, index = hit.group(1), tuple(int(x) for x in hit.group(2).split(","))
-        out.append((target, index, ops))
-    return out
-
-
-def model_leaves(model: Any) -> dict[str, Any]:
-    state = nnx.state(model) if is_graph_object(model) else model
-    return {p.removesuffix("/value"): v for p, v in flatten_with_paths(state)[0]}
 
 
 def _required(variable: Any) -> bool:
@@ -213,7 +147,7 @@ def _box(index: Any, shape: tuple[int, ...]) -> Box:
 def load_safetensors(
     model: Any,
     files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    key_map: Sequence[Rule],
+    key_map: Sequence[Rule] | None = None,
     *,
     skip: Sequence[str] = (),
     ignore: Sequence[str] = (),
@@ -226,7 +160,11 @@ def load_safetensors(
         :func:`nnx_shard.create_sharded` or a Trainer.
       files: a path, a glob, a list, or a folder with ``model.safetensors.index.json``.
       key_map: ordered ``(regex over file tensor names, target path template, transform)``
-        rules; the first that matches a name wins. The transform (optional) chains
+        rules; the first that matches a name wins. Without it, the map shipped for
+        the folder's ``config.json`` architecture, or for the model's class
+        (google-tunix's Llama 3, Qwen 2 and 3: :mod:`nnx_shard.key_maps`), named in
+        the report. A PEFT folder (``adapter_config.json``) loads into the
+        model's LoRA adapters (flax's or qwix's) through the same map. The transform (optional) chains
         ``T``, ``transpose(...)``, ``reshape(...)`` and ``split(axis, n, i)`` with
         ``|``; a tensor whose element count then matches its target is reshaped to it.
       skip: regexes of model leaves that no file fills on purpose.
@@ -253,7 +191,17 @@ def load_safetensors(
     """
     from safetensors import SafetensorError, safe_open
 
+    from nnx_shard._peft import is_peft_folder, load_peft_adapters
+    from nnx_shard.key_maps import resolve_key_map
+
     start = time.perf_counter()
+    key_map, chosen = resolve_key_map(key_map, model, files)
+    if is_peft_folder(files):
+        count, peft_notes = load_peft_adapters(model, files, key_map)
+        seconds = time.perf_counter() - start
+        return LoadReport(
+            count, 0, 0, seconds, tuple(["PEFT adapters", *([chosen] if chosen else []), *peft_notes])
+        )
     paths = resolve_files(files)
     leaves = model_leaves(model)
     counts = [0, 0]  # bytes read, bytes the shards need (in the files' dtypes)
@@ -283,6 +231,8 @@ def load_safetensors(
         needed = counts[1]
     if casts:
         notes.append("cast " + ", ".join(sorted(casts)))
+    if chosen:
+        notes.insert(0, chosen)
     tensors = sum(len(g) for g in fills.values())
     return LoadReport(tensors, counts[0], needed, time.perf_counter() - start, tuple(notes))
 

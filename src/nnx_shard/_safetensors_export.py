@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import json
+import itertools
+import math
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
+from flax import nnx
 
 from nnx_shard._errors import WeightsMismatchError
-from nnx_shard._safetensors import STACK_INDEX, Rule, key_rules, model_leaves, resolve_files, targets_of
+from nnx_shard._hf_folder import DEFAULT_SHARD_SIZE, write_folder
+from nnx_shard._lora import find_adapters
+from nnx_shard._weight_keys import Rule, file_shapes, host_value, key_rules, model_leaves, targets_of
 from nnx_shard._weight_transforms import full_ops, invert
 
 # safetensors' dtype names -> NumPy's (an export reproduces the source files' dtypes)
@@ -23,68 +24,72 @@ _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }  # fmt: skip
+_TEMPLATE_INDEX = re.compile(r"^(.*)\[([\\\d,\s]+)\]$")  # a stacked target before expansion: w[\1, \2]
 _GROUP = re.compile(r"\((?!\?)(?:[^()\\]|\\.)*\)")
-
-
-def lora_pairs(paths: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """``{base kernel: (lora_a, lora_b)}`` for flax's ``nnx.LoRALinear`` (``x/kernel``, ``x/lora/lora_a``),
-    ``nnx.LoRA(base_module=...)`` (``x/base_module/kernel``, ``x/lora_a``) and qwix (``x/kernel_lora_a``).
-
-    >>> lora_pairs(["q/kernel", "q/lora/lora_a", "q/lora/lora_b"])
-    {'q/kernel': ('q/lora/lora_a', 'q/lora/lora_b')}
-    """
-    have, out = set(paths), {}
-    for a in paths:
-        if not a.endswith("lora_a"):
-            continue
-        b = a[: -len("lora_a")] + "lora_b"
-        stem = a[: -len("lora_a")].rstrip("_/")
-        parent = stem.removesuffix("lora").rstrip("/") if stem.split("/")[-1] == "lora" else None
-        join = lambda *parts: "/".join(x for x in parts if x)
-        candidates = [join(stem, "base_module", "kernel"), stem]
-        if parent is not None:
-            candidates.insert(0, join(parent, "kernel"))
-        for base in candidates:
-            if base in have and b in have and base != a:
-                out[base] = (a, b)
-                break
-    return out
-
-
-def _host(x: Any) -> np.ndarray:
-    """A leaf's whole value on this host (a collective when it spans processes)."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _file_names(regex: str, groups: dict[int, str]) -> str:
     """The name a simple regex matches with its groups set: ``model\\.layers\\.(\\d+)\\.w`` -> ``model.layers.3.w``."""
     k = iter(range(1, 100))
-    text = _GROUP.sub(lambda m: groups[next(k)], regex)
+
+    def fill(m: re.Match[str]) -> str:
+        n = next(k)
+        if n not in groups:
+            raise WeightsMismatchError(
+                f"the regex {regex!r} has a group ({m.group(0)}) its target does not use, so the names it "
+                f"exports are not known: pass like= (the source files)."
+            )
+        return groups[n]
+
+    text = _GROUP.sub(fill, regex)
     return re.sub(r"\\(.)", r"\1", text).removeprefix("^").removesuffix("$")
 
 
 def save_safetensors(
     model: Any,
     path: str | os.PathLike[str],
-    key_map: Sequence[Rule],
+    key_map: Sequence[Rule] | None = None,
     *,
     like: str | os.PathLike[str] | Sequence[str] | None = None,
     merge_lora: bool = True,
-    lora_scale: float = 1.0,
+    lora_scale: float | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    skip: Sequence[str] = (),
+    ignore: Sequence[str] = (),
 ) -> list[str]:
-    """Writes ``model`` in the file layout ``key_map`` loaded it from, and returns the files written.
+    """Writes ``model`` in the file layout ``key_map`` loaded it from, as Hugging Face lays a folder out.
 
     Each rule is inverted: transforms undone, ``split`` targets joined, stacked
     leaves unstacked. The file names and shapes come from ``like`` (the source
     files) when given, which the export then reproduces; without it from the
     rules' regexes with their groups filled in (simple regexes only), and a
-    rule that relied on the implied reshape needs ``like``. LoRA adapters are
-    merged into their base kernels (``kernel + lora_scale * a @ b``; flax's
-    LoRA has no scale, qwix's is ``alpha / rank``), or only the adapters are
-    written under their model paths (``merge_lora=False``). Each process writes
-    the tensors assigned to it, and process 0 ``model.safetensors.index.json``.
+    rule that relied on the implied reshape needs ``like``. Without
+    ``key_map``, the map is chosen from ``like``'s ``config.json`` (its
+    ``architectures``) or the model's class (see :mod:`nnx_shard.key_maps`).
+
+    The folder is what ``transformers``' ``save_pretrained`` writes: files
+    split at ``max_shard_size`` (``"5GB"`` as transformers; at least one per
+    process, each writing its own), ``model.safetensors.index.json`` with
+    ``metadata.total_size``, ``format: pt`` in each file's metadata, and
+    ``config.json``, the generation and tokenizer files copied from ``like``
+    when it is a folder, so ``from_pretrained(path)`` opens it as written.
+
+    LoRA adapters (flax's, qwix's on ``nnx.Linear`` or ``nnx.Einsum`` kernels
+    of any rank) are merged into their kernels as the library that made them
+    computes them (``lora_scale`` overrides the scale: qwix's ``alpha / rank``,
+    1.0 for flax's); ``merge_lora=False`` writes the base weights alone, and
+    :func:`nnx_shard.save_peft_adapters` writes the adapters.
+
+    Nothing is dropped: a model parameter no rule exports (unless ``skip``
+    matches it) or, with ``like``, a source tensor left unwritten (unless
+    ``ignore`` matches it) raises before any file is written.
+
+    Returns:
+      The files this process wrote.
+
+    Raises:
+      WeightsMismatchError: leaves or source tensors left out, targets the model
+        lacks, or a layout that cannot be inverted.
 
     >>> import tempfile, numpy as np, nnx_shard as ns
     >>> from flax import nnx
@@ -92,74 +97,92 @@ def save_safetensors(
     >>> rules = [(r"fc\\.weight", "kernel", "T"), (r"fc\\.bias", "bias")]
     >>> folder = tempfile.mkdtemp()
     >>> ns.save_safetensors(model, folder, rules)  # doctest: +ELLIPSIS
-    ['.../model-00001-of-00001.safetensors']
+    ['.../model.safetensors']
     >>> again = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
     >>> _ = ns.load_safetensors(again, folder, rules)
     >>> bool(np.array_equal(again.kernel.get_value(), model.kernel.get_value()))
     True
     """
-    from safetensors.numpy import save_file
+    from nnx_shard.key_maps import resolve_key_map
 
+    key_map, _ = resolve_key_map(key_map, model, like)
     leaves = model_leaves(model)
     values = {p: v.get_value() for p, v in leaves.items()}
-    pairs = lora_pairs(list(values))
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    n, me = jax.process_count(), jax.process_index()
-    name = f"model-{me + 1:05d}-of-{n:05d}.safetensors"
-    if not merge_lora:
-        adapters = [p for pair in pairs.values() for p in pair]
-        tensors = {p: _host(values[p]) for p in adapters}
-        save_file({p: t for k, (p, t) in enumerate(tensors.items()) if k % n == me}, str(out / name))
-        _index(out, {p: f"model-{k % n + 1:05d}-of-{n:05d}.safetensors" for k, p in enumerate(tensors)})
-        return [str(out / name)]
-    shapes = _file_shapes(like)
+    adapters = find_adapters(model, lora_scale) if merge_lora else {}
+    shapes = file_shapes(like)
     merged: dict[str, np.ndarray] = {}
 
     def value(target: str) -> np.ndarray:
         if target not in merged:
-            base = _host(values[target])
-            if target in pairs:
-                a, b = (_host(values[p]).astype(np.float32) for p in pairs[target])
-                base = (base.astype(np.float32) + lora_scale * (a @ b)).astype(base.dtype)
+            base = host_value(values[target])
+            if target in adapters:
+                ad = adapters[target]
+                delta = ad.delta(host_value(values[ad.a]), host_value(values[ad.b])).reshape(base.shape)
+                base = (base.astype(np.float32) + delta).astype(base.dtype)
             merged[target] = base
         return merged[target]
 
     rules = key_rules(key_map)
     names = list(shapes) if shapes else _names_from_rules(key_map, leaves)
     written: dict[str, np.ndarray] = {}
+    used: dict[str, set[tuple[int, ...]]] = {}
+    unwritten, problems = [], []
     for file_name in names:
         match = next(((m, outs) for regex, outs in rules if (m := regex.fullmatch(file_name))), None)
         if match is None:
+            if not any(re.fullmatch(p, file_name) for p in ignore):
+                unwritten.append(file_name)
             continue
         parts = []
         for target, index, ops in targets_of(*match):
             if target not in values:
-                raise WeightsMismatchError(f"{file_name} maps to {target}, which the model lacks.")
-            part = value(target)[index] if index else value(target)
-            parts.append((ops, part))
+                problems.append(f"{file_name} -> {target}: the model has no such leaf")
+                continue
+            used.setdefault(target, set()).add(index)
+            parts.append((ops, value(target)[index] if index else value(target)))
+        if len(parts) < len(match[1]):
+            continue
         file_shape, file_dtype = shapes.get(file_name, (None, None))
         tensor = _join(file_name, parts, file_shape)
         written[file_name] = (
             tensor.astype(_DTYPES[file_dtype], copy=False) if file_dtype in _DTYPES else tensor
         )
-    mine = {k: t for j, (k, t) in enumerate(written.items()) if j % n == me}
-    save_file(mine, str(out / name))
-    _index(out, {k: f"model-{j % n + 1:05d}-of-{n:05d}.safetensors" for j, k in enumerate(written)})
-    return [str(out / name)]
+    _check_complete(leaves, used, unwritten, problems, skip, adapters)
+    return write_folder(path, written, like=like, max_shard_size=max_shard_size)
 
 
-def _file_shapes(like: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{tensor name: (shape, safetensors dtype)}`` of the source files (empty without them)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    for f in resolve_files(like) if like is not None else []:
-        with safe_open(f, framework="numpy") as h:
-            for k in h.keys():
-                s = h.get_slice(k)
-                shapes[k] = (tuple(s.get_shape()), s.get_dtype())
-    return shapes
+def _check_complete(
+    leaves: dict[str, Any],
+    used: dict[str, set[tuple[int, ...]]],
+    unwritten: list[str],
+    problems: list[str],
+    skip: Sequence[str],
+    adapters: dict[str, Any],
+) -> None:
+    """Raises when a parameter, a slice of a stacked one or a source tensor would be left out of the export."""
+    merged_in = {p for ad in adapters.values() for p in (ad.a, ad.b)}
+    missing = []
+    for path, v in leaves.items():
+        if not isinstance(v, nnx.Param) or isinstance(v, nnx.LoRAParam) or path in merged_in:
+            continue
+        if any(re.fullmatch(p, path) for p in skip):
+            continue
+        got = used.get(path)
+        shape = tuple(v.get_value().shape)
+        depth = len(next(iter(got))) if got else 0
+        need = math.prod(shape[:depth]) if depth else 1
+        if not got or len(got) < need:
+            missing.append(f"{path} {shape}" + (f" ({len(got)} of {need} slices)" if got else ""))
+    parts = []
+    for what, items in (
+        ("model parameters no rule exports (add a rule, or a skip= pattern)", missing),
+        ("source tensors (like=) no rule writes (add a rule, or an ignore= pattern)", unwritten),
+        ("tensors whose target is missing", problems),
+    ):
+        if items:
+            parts.append(f"{len(items)} {what}: {items[:12]}{' ...' if len(items) > 12 else ''}")
+    if parts:
+        raise WeightsMismatchError("the export would drop weights; nothing was written. " + "; ".join(parts))
 
 
 def _join(
@@ -208,25 +231,38 @@ def _shape_before(ops: Sequence[Any], shape: tuple[int, ...]) -> tuple[int, ...]
 
 
 def _names_from_rules(key_map: Sequence[Rule], leaves: dict[str, Any]) -> list[str]:
-    """File tensor names for each model leaf a rule's template can produce (simple regexes only)."""
-    names = []
+    """File tensor names for each model leaf a rule's template can produce (simple regexes only): a stacked
+    target (``w[\\1]``) gives one name per slice of the leaf's leading axes, a list of targets (``split``) its
+    first target's names."""
+    names: list[str] = []
     for regex, outs in key_rules(key_map):
         template = outs[0][0]
-        if STACK_INDEX.match(template) or len(outs) > 1:
+        stacked = _TEMPLATE_INDEX.match(template)
+        base, index = (
+            (stacked.group(1), [x.strip() for x in stacked.group(2).split(",")])
+            if stacked
+            else (template, [])
+        )
+        if any(not re.fullmatch(r"\\\d", x) for x in index):
             raise WeightsMismatchError(
-                f"the rule {regex.pattern!r} -> {template!r} stacks or splits, so its file names are not known: "
-                f"pass like= (the source files)."
+                f"the rule {regex.pattern!r} -> {template!r} indexes its target with {index}, not with groups "
+                f"(\\1, \\2): pass like= (the source files) to name what it exports."
             )
-        bits = re.split(r"\\(\d)", template)
+        bits = re.split(r"\\(\d)", base)
         pattern = "".join(re.escape(b) if k % 2 == 0 else f"(?P<g{b}>[^/]+)" for k, b in enumerate(bits))
         for leaf in leaves:
             hit = re.fullmatch(pattern, leaf)
-            if hit is not None:
-                names.append(_file_names(regex.pattern, {int(k[1:]): v for k, v in hit.groupdict().items()}))
-    return names
-
-
-def _index(folder: Path, weight_map: dict[str, str]) -> None:
-    if jax.process_index() == 0:
-        text = json.dumps({"metadata": {"format": "nnx_shard"}, "weight_map": weight_map}, indent=1)
-        (folder / "model.safetensors.index.json").write_text(text)
+            if hit is None:
+                continue
+            groups = {int(k[1:]): v for k, v in hit.groupdict().items()}
+            shape = leaves[leaf].get_value().shape
+            for at in itertools.product(*(range(d) for d in shape[: len(index)])):
+                groups.update({int(x[1:]): str(i) for x, i in zip(index, at, strict=True)})
+                name = _file_names(regex.pattern, groups)
+                if regex.fullmatch(name) is None:
+                    raise WeightsMismatchError(
+                        f"the rule {regex.pattern!r} is not simple enough to name the tensor of {leaf!r} "
+                        f"(got {name!r}): pass like= (the source files)."
+                    )
+                names.append(name)
+    return list(dict.fromkeys(names))

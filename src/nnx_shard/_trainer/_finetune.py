@@ -12,6 +12,7 @@ from flax import nnx
 from nnx_shard._checkpoint_format import storable, tree_fingerprints
 from nnx_shard._errors import CheckpointError, CheckpointMismatchError
 from nnx_shard._paths import flatten_with_paths
+from nnx_shard._visibility import check_model
 
 logger = logging.getLogger("nnx_shard")
 
@@ -23,10 +24,12 @@ def resolve_wrt(wrt: Any, model: Any) -> Any:
     >>> resolve_wrt(None, nnx.LoRALinear(2, 2, lora_rank=1, rngs=nnx.Rngs(0))) is nnx.LoRAParam
     True
     """
+    check_model(model)
     if wrt is None:
         has_lora = any(isinstance(v, nnx.LoRAParam) for _, v in flatten_with_paths(nnx.state(model))[0])
         wrt = nnx.LoRAParam if has_lora else nnx.Param
         logger.info("training %s (Trainer.wrt)", "the LoRA adapters only" if has_lora else "every nnx.Param")
+    check_model(model, wrt=wrt)
     return wrt
 
 
