@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
+from examples.finetune_hf.finetune import forward, lora_model, trainer_for
 
 DATA = Path(__file__).parent / "data" / "hf"
 STRATEGY = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
@@ -28,32 +29,10 @@ def mesh8():
     return mesh_of("8")
 
 
-def forward(model, tokens):
-    b, n = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(n), (b, n))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
-    return model(jnp.asarray(tokens), positions, None, mask)[0]
-
-
 def reference(family):
     from safetensors.numpy import load_file
 
     return load_file(str(DATA / family / "reference.safetensors"))
-
-
-def lora_factory(folder, module_path=".*(q_proj|v_proj|down_proj)"):
-    qwix = pytest.importorskip("qwix")
-    cls, config = ns.key_maps.tunix_model(folder)
-    tokens = reference(Path(folder).name)["tokens"]
-    b, n = tokens.shape
-    provider = qwix.LoraProvider(module_path=module_path, rank=4, alpha=8.0)
-
-    def create(seed=0):
-        model = cls(config, rngs=nnx.Rngs(seed))
-        args = (jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(n), (b, n)), None, jnp.ones((b, n, n), bool))
-        return qwix.apply_lora_to_model(model, provider, *args, rngs=nnx.Rngs(1))
-
-    return create
 
 
 def randomize_adapters(model):
@@ -117,7 +96,7 @@ def test_annotations_naming_missing_axes_with_eager_sharding_off_are_placed_by_t
 def test_qwix_lora_on_tunix_is_visible_trained_and_merged_as_qwix_computes_it(mesh8, tmp_path):
     pytest.importorskip("tunix")
     folder = DATA / "llama"
-    create = lora_factory(folder)
+    create = lambda: lora_model(folder)
     model, plan = ns.create_sharded(create, STRATEGY, mesh8)
     assert plan.leaf("layers/0/attn/q_proj/w_lora_b").shape == (4, 2, 16)  # qwix's einsum adapter
     ns.load_safetensors(model, folder)
@@ -172,36 +151,10 @@ def _shapes(folder):
 def test_trainer_finds_and_trains_the_adapters_qwix_added_to_tunix(tmp_path):
     pytest.importorskip("tunix")
     folder = DATA / "llama"
-    create = lora_factory(folder)
-    tokens = reference("llama")["tokens"]
-
-    class FineTune(ns.Trainer):
-        def create_model(self, rngs):
-            return create()
-
-        def create_optimizer(self):
-            return optax.adam(1e-2)
-
-        def load_pretrained(self, model):
-            return ns.load_safetensors(model, folder)
-
-        def loss_fn(self, model, batch):
-            logits = forward(model, batch["tokens"])
-            labels = jax.nn.one_hot(batch["tokens"][:, 1:], logits.shape[-1])
-            return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits[:, :-1]), -1)), {}
-
-    trainer = FineTune(
-        {
-            "total_steps": 4,
-            "log_every": 1,
-            "progress": "off",
-            "sharding_strategy": STRATEGY,
-            "ema_decay": None,
-        }
-    )
+    trainer = trainer_for(folder, 8, str(tmp_path / "work"), steps=4)
     trainer.init()
     base = np.asarray(trainer.states["model"]["layers"][0]["attn"]["q_proj"]["w"].get_value()).copy()
-    history = trainer.train(lambda step: {"tokens": np.tile(tokens, (4, 1))})
+    history = trainer.train(lambda step: {"tokens": np.tile(reference("llama")["tokens"], (4, 1))})
     assert history[-1]["loss"] < history[0]["loss"]
     assert trainer.plan.leaf("model/layers/0/attn/q_proj/w_lora_a").label == "trainable"
     assert trainer.plan.leaf("model/layers/0/attn/q_proj/w").label == "frozen"

@@ -23,9 +23,6 @@ import os
 import tempfile
 from pathlib import Path
 
-if "XLA_FLAGS" not in os.environ:  # simulated devices on a CPU; a GPU or TPU uses its own
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,27 +43,31 @@ def forward(model, tokens):
     return model(jnp.asarray(tokens), positions, None, mask)[0]
 
 
-def trainer_for(folder: Path, devices: int, workdir: str, steps: int) -> ns.Trainer:
+def lora_model(folder: Path, seed: int = 0) -> nnx.Module:
+    """tunix's model for ``folder`` with qwix LoRA (rank 4, alpha 8) on q_proj, v_proj and down_proj."""
     cls, config = ns.key_maps.tunix_model(folder)
     provider = qwix.LoraProvider(module_path=".*(q_proj|v_proj|down_proj)", rank=4, alpha=8.0)
     b, n = TOKENS.shape
+    args = (jnp.asarray(TOKENS), jnp.broadcast_to(jnp.arange(n), (b, n)), None, jnp.ones((b, n, n), bool))
+    return qwix.apply_lora_to_model(cls(config, rngs=nnx.Rngs(seed)), provider, *args, rngs=nnx.Rngs(1))
+
+
+def batches(step: int) -> dict[str, np.ndarray]:
+    return {"tokens": np.tile(TOKENS, (4, 1))}
+
+
+def trainer_for(folder: Path, devices: int, workdir: str, steps: int) -> ns.Trainer:
+    """A Trainer that fine-tunes the adapters of :func:`lora_model` on ``devices`` devices, saving to ``workdir``."""
 
     class FineTune(ns.Trainer):
         def create_model(self, rngs):
-            model = cls(config, rngs=rngs)
-            args = (
-                jnp.asarray(TOKENS),
-                jnp.broadcast_to(jnp.arange(n), (b, n)),
-                None,
-                jnp.ones((b, n, n), bool),
-            )
-            return qwix.apply_lora_to_model(model, provider, *args, rngs=nnx.Rngs(1))
+            return lora_model(folder)
 
         def create_optimizer(self):
             return optax.adam(3e-2)
 
         def load_pretrained(self, model):
-            return ns.load_safetensors(model, folder)
+            return ns.load_safetensors(model, folder)  # the key map comes from config.json
 
         def loss_fn(self, model, batch):
             logits = forward(model, batch["tokens"])
@@ -89,8 +90,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
+    os.environ.setdefault(
+        "XLA_FLAGS", "--xla_force_host_platform_device_count=8"
+    )  # before JAX's backend starts
     workdir = args.workdir or tempfile.mkdtemp(prefix="finetune_hf_")
-    batches = lambda step: {"tokens": np.tile(TOKENS, (4, 1))}
 
     n = jax.device_count()
     first = trainer_for(args.folder, n, workdir, args.steps // 2)

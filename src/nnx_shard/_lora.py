@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard._errors import WeightsMismatchError
+from nnx_shard._paths import flatten_with_paths, is_graph_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +44,6 @@ class Adapter:
 
     def delta(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.scale * np.einsum(self.equation, a.astype(np.float32), b.astype(np.float32))
-
-    @property
-    def rank_letter(self) -> str:
-        return self.equation.split(",")[0][-1]
 
 
 def _join(*parts: str) -> str:
@@ -169,8 +166,6 @@ def find_adapters(model: Any, lora_scale: float | None = None) -> dict[str, Adap
     >>> found["kernel"].a, found["kernel"].equation, found["kernel"].scale
     ('lora/lora_a', 'ir,ro->io', 1.0)
     """
-    from nnx_shard._paths import flatten_with_paths, is_graph_object
-
     if not is_graph_object(model):
         paths = {p.removesuffix("/value") for p, _ in flatten_with_paths(model)[0]}
         return {

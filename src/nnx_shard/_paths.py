@@ -16,6 +16,7 @@ from flax.nnx.training.optimizer import OptState
 
 from nnx_shard._caches import cached
 from nnx_shard._specs import itemsize
+from nnx_shard._visibility import raise_hidden, reveal
 
 # The first path segment under which a state mirrors the parameters:
 # ``nnx.Optimizer`` keeps ``opt_state``, ``nnx.EMA`` keeps ``params``.
@@ -206,24 +207,26 @@ def as_state(tree: Any) -> tuple[Any, int]:
     of them becomes the same container of states, whose keys name groups.
     """
     if is_graph_object(tree):
-        return _visible_state(tree), 0
+        return nnx.state(tree), 0
     if type(tree) in (dict, list, tuple) and tree:
         values = tree.values() if isinstance(tree, dict) else tree
         if any(is_graph_object(v) or isinstance(v, nnx.State) for v in values):
-            conv = lambda v: _visible_state(v) if is_graph_object(v) else v
+            conv = lambda v: nnx.state(v) if is_graph_object(v) else v
             if isinstance(tree, dict):
                 return {k: conv(v) for k, v in tree.items()}, 1
             return type(tree)(conv(v) for v in tree), 1
     return tree, 0
 
 
-def _visible_state(obj: Any) -> Any:
-    """``nnx.state(obj)`` once every Variable of ``obj`` is visible to it (see ``_visibility``)."""
-    from nnx_shard._visibility import raise_hidden, reveal
-
-    if hidden := reveal(obj):
-        raise_hidden(hidden, type(obj).__name__)
-    return nnx.state(obj)
+def visible(tree: Any) -> Any:
+    """``tree``, once every Variable of its Modules is visible to ``nnx.state``: qwix's class swaps are repaired,
+    anything else hidden raises :class:`~nnx_shard.EmptyStateError` (see ``_visibility``). Run where objects
+    enter (planning, creation), not on every read of their state."""
+    values = tree.values() if isinstance(tree, dict) else tree if type(tree) in (list, tuple) else (tree,)
+    for obj in values:
+        if is_graph_object(obj) and (hidden := reveal(obj)):
+            raise_hidden(hidden, type(obj).__name__)
+    return tree
 
 
 def _annotation_names(meta: dict[str, Any]) -> Any:
@@ -269,7 +272,7 @@ def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
     to an ``nnx.EMA``, or, among grouped states, it sits under ``params`` and a
     parameter of the same path and shape lives in another group.
     """
-    state, group_depth = as_state(tree)
+    state, group_depth = as_state(visible(tree))
     kinds = _group_kinds(tree, group_depth)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)
     records = []

@@ -26,6 +26,7 @@ from nnx_shard._hf_folder import write_folder
 from nnx_shard._lora import Adapter, find_adapters
 from nnx_shard._weight_keys import Rule, file_shapes, host_value, key_rules, model_leaves, targets_of
 from nnx_shard._weight_transforms import full_ops, invert
+from nnx_shard.key_maps import architecture_of, resolve_key_map
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model"
@@ -116,8 +117,6 @@ def save_peft_adapters(
     >>> [f.split("/")[-1] for f in ns.save_peft_adapters(model, out, [(r"fc\\.weight", "kernel", "T")], like=src)]
     ['adapter_model.safetensors', 'adapter_config.json']
     """
-    from nnx_shard.key_maps import architecture_of, resolve_key_map
-
     key_map, _ = resolve_key_map(key_map, model, like)
     leaves = model_leaves(model)
     adapters = find_adapters(model, lora_scale)
@@ -147,7 +146,7 @@ def save_peft_adapters(
         tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, rank)[cols].T)
         tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(rank, -1)[:, rows].T)
         ranks[module], alphas[module] = rank, ad.scale * rank
-    config = _config(ranks, alphas, shapes, like, base_model_name_or_path, architecture_of)
+    config = _config(ranks, alphas, shapes, like, base_model_name_or_path)
     if jax.process_index() != 0:
         return []
     files = write_folder(path, tensors, max_shard_size=2**62, prefix=WEIGHTS, index=False)
@@ -161,7 +160,6 @@ def _config(
     shapes: dict[str, Any],
     like: Any,
     base_name: str | None,
-    architecture_of: Any,
 ) -> dict[str, Any]:
     """PEFT's LoraConfig as JSON: one r and lora_alpha, patterns for the adapters that differ."""
     r = max(set(ranks.values()), key=list(ranks.values()).count)
@@ -227,8 +225,8 @@ def load_peft_adapters(
         )
         for m in modules
     }
-    sources = {name: path for path, (name, _, _) in _sources(key_map, shapes, leaves).items()}
     where = _sources(key_map, shapes, leaves)
+    sources = {name: path for path, (name, _, _) in where.items()}
     problems = [
         f"{m}: no adapter of the model matches it"
         for m in modules

@@ -16,7 +16,7 @@ from nnx_shard._errors import PlacementError
 from nnx_shard._inference import plan_sharding
 from nnx_shard._jax_private import abstract_construction
 from nnx_shard._logical import logical_rules_of
-from nnx_shard._paths import as_state, flatten_with_paths, is_graph_object
+from nnx_shard._paths import as_state, flatten_with_paths, is_graph_object, visible
 from nnx_shard._plan import ShardingPlan
 from nnx_shard._specs import format_spec, spec_problems
 from nnx_shard._tactic_parser import parse_tactic
@@ -287,7 +287,7 @@ def _creation(mesh: Mesh, rules: Any, eager: bool | None) -> Iterator[None]:
 
 
 def _states(objects: Any) -> Any:
-    state, _ = as_state(objects)
+    state, _ = as_state(visible(objects))
     return state
 
 

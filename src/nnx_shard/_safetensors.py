@@ -27,8 +27,10 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard._errors import WeightsMismatchError
-from nnx_shard._weight_keys import Rule, key_rules, model_leaves, resolve_files, targets_of
+from nnx_shard._peft import is_peft_folder, load_peft_adapters
+from nnx_shard._weight_keys import Rule, key_rules, mismatches, model_leaves, resolve_files, targets_of
 from nnx_shard._weight_transforms import Box, Op, apply, full_ops, source_box
+from nnx_shard.key_maps import resolve_key_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +124,15 @@ def plan_fills(
                 f"{path} {tuple(v.get_value().shape)}" + (f" ({len(got)} of {need} filled)" if got else "")
             )
     if strict and (unmapped or unfilled or problems):
-        parts = []
-        for what, items in (
-            ("file tensors no key map rule maps (add a rule, or an ignore= pattern)", unmapped),
-            ("model parameters no file tensor fills (add a rule, or a skip= pattern)", unfilled),
-            ("tensors that do not fit their target", problems),
-        ):
-            if items:
-                parts.append(f"{len(items)} {what}: {items[:12]}{' ...' if len(items) > 12 else ''}")
+        text = mismatches(
+            [
+                ("file tensors no key map rule maps (add a rule, or an ignore= pattern)", unmapped),
+                ("model parameters no file tensor fills (add a rule, or a skip= pattern)", unfilled),
+                ("tensors that do not fit their target", problems),
+            ]
+        )
         raise WeightsMismatchError(
-            "the pretrained weights do not fit the model; nothing was written. " + "; ".join(parts)
+            "the pretrained weights do not fit the model; nothing was written. " + text
         )
     notes = [f"{ignored} file tensors ignored"] if ignored else []
     lora = sum(isinstance(v, nnx.LoRAParam) for v in leaves.values())
@@ -190,9 +191,6 @@ def load_safetensors(
     ([[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]], 2)
     """
     from safetensors import SafetensorError, safe_open
-
-    from nnx_shard._peft import is_peft_folder, load_peft_adapters
-    from nnx_shard.key_maps import resolve_key_map
 
     start = time.perf_counter()
     key_map, chosen = resolve_key_map(key_map, model, files)

@@ -16,8 +16,17 @@ from flax import nnx
 from nnx_shard._errors import WeightsMismatchError
 from nnx_shard._hf_folder import DEFAULT_SHARD_SIZE, write_folder
 from nnx_shard._lora import find_adapters
-from nnx_shard._weight_keys import Rule, file_shapes, host_value, key_rules, model_leaves, targets_of
+from nnx_shard._weight_keys import (
+    Rule,
+    file_shapes,
+    host_value,
+    key_rules,
+    mismatches,
+    model_leaves,
+    targets_of,
+)
 from nnx_shard._weight_transforms import full_ops, invert
+from nnx_shard.key_maps import resolve_key_map
 
 # safetensors' dtype names -> NumPy's (an export reproduces the source files' dtypes)
 _DTYPES = {
@@ -103,8 +112,6 @@ def save_safetensors(
     >>> bool(np.array_equal(again.kernel.get_value(), model.kernel.get_value()))
     True
     """
-    from nnx_shard.key_maps import resolve_key_map
-
     key_map, _ = resolve_key_map(key_map, model, like)
     leaves = model_leaves(model)
     values = {p: v.get_value() for p, v in leaves.items()}
@@ -173,16 +180,15 @@ def _check_complete(
         need = math.prod(shape[:depth]) if depth else 1
         if not got or len(got) < need:
             missing.append(f"{path} {shape}" + (f" ({len(got)} of {need} slices)" if got else ""))
-    parts = []
-    for what, items in (
-        ("model parameters no rule exports (add a rule, or a skip= pattern)", missing),
-        ("source tensors (like=) no rule writes (add a rule, or an ignore= pattern)", unwritten),
-        ("tensors whose target is missing", problems),
-    ):
-        if items:
-            parts.append(f"{len(items)} {what}: {items[:12]}{' ...' if len(items) > 12 else ''}")
-    if parts:
-        raise WeightsMismatchError("the export would drop weights; nothing was written. " + "; ".join(parts))
+    text = mismatches(
+        [
+            ("model parameters no rule exports (add a rule, or a skip= pattern)", missing),
+            ("source tensors (like=) no rule writes (add a rule, or an ignore= pattern)", unwritten),
+            ("tensors whose target is missing", problems),
+        ]
+    )
+    if text:
+        raise WeightsMismatchError("the export would drop weights; nothing was written. " + text)
 
 
 def _join(

@@ -107,3 +107,16 @@ def file_shapes(like: Any) -> dict[str, tuple[tuple[int, ...], str]]:
                 s = h.get_slice(k)
                 shapes[k] = (tuple(s.get_shape()), s.get_dtype())
     return shapes
+
+
+def mismatches(groups: Sequence[tuple[str, list[str]]]) -> str:
+    """``"3 <what>: [first 12 ...]; ..."`` for each non-empty group of problems (empty when none).
+
+    >>> mismatches([("leaves nothing fills", ["a (2,)"]), ("tensors no rule maps", [])])
+    "1 leaves nothing fills: ['a (2,)']"
+    """
+    return "; ".join(
+        f"{len(items)} {what}: {items[:12]}{' ...' if len(items) > 12 else ''}"
+        for what, items in groups
+        if items
+    )

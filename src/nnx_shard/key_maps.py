@@ -39,10 +39,7 @@ _DECODER: list[Rule] = [
 ]
 
 #: Hugging Face ``LlamaForCausalLM`` -> ``tunix.models.llama3.model.Llama3``.
-LLAMA3: list[Rule] = [
-    *_DECODER,
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", r"layers/\1/attn/\2_norm/w"),
-]
+LLAMA3: list[Rule] = _DECODER
 #: Hugging Face ``Qwen2ForCausalLM`` -> ``tunix.models.qwen2.model.Qwen2`` (q/k/v biases).
 QWEN2: list[Rule] = [
     *_DECODER,
