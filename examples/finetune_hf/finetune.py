@@ -12,8 +12,8 @@ The path a user takes, each step one call:
      adapters alone as a PEFT folder. With torch, transformers and peft installed (make test-interop),
      both are opened by them and their logits compared with the JAX model's.
 
-The default folder is the tiny random Llama in tests/data/hf/llama; any LlamaForCausalLM, Qwen2ForCausalLM
-or Qwen3ForCausalLM folder works the same (nothing is downloaded).
+The default folder is the tiny random Llama in tests/data/hf/llama; any LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, GemmaForCausalLM or Gemma2ForCausalLM folder works the same (nothing is downloaded).
 """
 
 from __future__ import annotations

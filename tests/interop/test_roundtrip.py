@@ -19,9 +19,12 @@ qwix = pytest.importorskip("qwix")
 pytest.importorskip("tunix")
 
 
+from flax import nnx  # noqa: E402
+
 import nnx_shard as ns  # noqa: E402
 from examples.finetune_hf.finetune import TOKENS, batches, forward, trainer_for  # noqa: E402
 
+STRATEGY = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
 SOURCE = Path(__file__).resolve().parents[1] / "data" / "hf" / "llama"
 
 
@@ -54,4 +57,26 @@ def test_hf_folder_to_tunix_qwix_finetune_resume_and_back_to_transformers_and_pe
     with_adapters = peft.PeftModel.from_pretrained(base, adapters).eval()
     with torch.no_grad():
         got = with_adapters(torch.tensor(TOKENS).long()).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "gemma2"])
+def test_every_family_exports_a_folder_transformers_opens_with_the_same_logits(family, tmp_path):
+    from safetensors.numpy import load_file
+
+    folder = SOURCE.parent / family
+    cls, config = ns.key_maps.tunix_model(folder)
+    mesh = ns.create_mesh((8,), ("fsdp",))
+    model, _ = ns.create_sharded(lambda: cls(config, rngs=nnx.Rngs(0)), STRATEGY, mesh)
+    ns.load_safetensors(model, folder)
+    tokens = load_file(str(folder / "reference.safetensors"))["tokens"]
+    want = np.asarray(forward(model, tokens))
+    ns.save_safetensors(model, tmp_path / "out", like=folder)
+    # eager attention: the one that applies Gemma 2's attention softcap (as the reference was computed)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", torch_dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        got = hf(torch.tensor(tokens).long()).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -3,10 +3,11 @@
     pip install "torch==2.13.0" transformers
     python tests/data/hf/make_tiny.py
 
-One folder per family (``llama``, ``qwen2``, ``qwen3``), written by ``save_pretrained`` as the hub lays
+One folder per family (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``), written by ``save_pretrained`` as the hub lays
 models out (several safetensors files and ``model.safetensors.index.json``), plus ``reference.safetensors``:
-the token ids and torch's float32 logits for them. rope_theta is 1e6, the value google-tunix's attention
-uses whatever its config says. About 100 KB per family.
+the token ids and torch's float32 logits for them. rope_theta is 1e6 for Llama and Qwen, the value
+google-tunix's attention uses whatever its config says (Gemma's is 10,000 on both sides). About 150 KB per
+family.
 """
 
 from __future__ import annotations
@@ -25,18 +26,30 @@ COMMON = dict(
     num_key_value_heads=1, head_dim=16, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=False, max_position_embeddings=64,
 )  # fmt: skip
+GEMMA = dict(tie_word_embeddings=True, rope_theta=10_000.0, hidden_activation="gelu_pytorch_tanh")
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
-}
+    # Gemma: 2 query heads, 1 kv head (tunix's q_einsum + kv_einsum); Gemma 2: 2 and 2 (its fused qkv_einsum),
+    # softcaps, post norms, a sliding window longer than the tokens
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, GEMMA),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            GEMMA, num_key_value_heads=2, query_pre_attn_scalar=16, sliding_window=16,
+            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attn_implementation="eager",
+        ),
+    ),
+}  # fmt: skip
 TOKENS = np.array([[1, 5, 9, 17, 33, 65, 127, 3], [2, 4, 8, 16, 32, 64, 100, 7]], np.int64)
 
 
 def main() -> None:
     for name, (config_cls, model_cls, extra) in FAMILIES.items():
         torch.manual_seed(0)
-        config = config_cls(**COMMON, **extra)
+        config = config_cls(**{**COMMON, **extra})
         model = model_cls(config).eval()
         with torch.no_grad():  # larger weights than the default init, so a wrong layout shows in the logits
             for p in model.parameters():
