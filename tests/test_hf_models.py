@@ -19,7 +19,7 @@ from examples.finetune_hf.finetune import forward, lora_model, trainer_for
 
 DATA = Path(__file__).parent / "data" / "hf"
 STRATEGY = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ The path a user takes, each step one call:
      both are opened by them and their logits compared with the JAX model's.
 
 The default folder is the tiny random Llama in tests/data/hf/llama; any LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GemmaForCausalLM or Gemma2ForCausalLM folder works the same (nothing is downloaded).
+Qwen3ForCausalLM or Gemma 1, 2 or 3 folder works the same (nothing is downloaded).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A key map is the ordered ``(regex over file tensor names, target, transform)``
 list that :func:`nnx_shard.load_safetensors` reads and
 :func:`nnx_shard.save_safetensors` inverts. The maps here take a Hugging Face
 folder (``config.json``'s ``architectures``) to tunix's ``Llama3``, ``Qwen2``,
-``Qwen3`` and ``Gemma`` (Gemma 1 and 2): PyTorch's ``(out, in)`` weights transposed, attention
+``Qwen3``, ``Gemma`` (Gemma 1 and 2) and ``Gemma3``: PyTorch's ``(out, in)`` weights transposed, attention
 projections reshaped to tunix's ``(embed, heads, head_dim)`` einsum kernels by
 the implied reshape (Hugging Face's q/k rows are already in the rotate-half
 order tunix's RoPE uses: no permutation). Gemma's q/k/v go into tunix's fused
@@ -16,7 +16,7 @@ key map, as before.
 >>> ns.key_maps.for_architecture("LlamaForCausalLM") is ns.key_maps.LLAMA3
 True
 >>> sorted(ns.key_maps.ARCHITECTURES)
-['Gemma2ForCausalLM', 'GemmaForCausalLM', 'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']
+['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'GemmaForCausalLM', 'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']
 """
 
 from __future__ import annotations
@@ -104,6 +104,46 @@ def gemma2(hf: dict[str, Any]) -> list[Rule]:
     ]
 
 
+def gemma3(hf: dict[str, Any]) -> list[Rule]:
+    """Hugging Face ``Gemma3ForCausalLM`` (text) -> ``tunix.models.gemma3.model.Gemma3``: Gemma 2's layout with
+    q/k norms, under ``language_model.`` too (the weights of a multimodal checkpoint's text tower)."""
+    norms = {"post_attention": "post_attention", "pre_feedforward": "pre_ffw", "post_feedforward": "post_ffw"}
+    rules = [
+        *_GEMMA_COMMON,
+        *_gemma_attention(hf),
+        *(
+            (rf"model\.layers\.(\d+)\.{a}_layernorm\.weight", rf"layers/\1/{b}_norm/scale")
+            for a, b in norms.items()
+        ),
+        (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", r"layers/\1/attn/_query_norm/scale"),
+        (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", r"layers/\1/attn/_key_norm/scale"),
+    ]
+    return [(f"(?:language_model\\.)?{pattern}", *rest) for pattern, *rest in rules]
+
+
+def _gemma3_config(module: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    norm = module.QueryPreAttentionNormalisation
+    by = norm.BY_ONE_OVER_SQRT_HEAD_DIM if hf.get("query_pre_attn_scalar", head_dim) == head_dim else None
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        num_embed=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"],
+        head_dim=head_dim,
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        sliding_window_size=hf.get("sliding_window"),
+        local_base_frequency=int(hf.get("rope_local_base_freq", 10_000)),
+        global_base_frequency=int(hf.get("rope_theta", 10_000)),
+        global_scale_factor=float((hf.get("rope_scaling") or {}).get("factor", 1.0)),
+        **({"query_pre_attn_norm": by} if by is not None else {}),
+        param_dtype=jnp.float32,  # tunix's default is bfloat16; the weights bring their own dtype
+    )
+
+
 def _decoder_config(hf: dict[str, Any], tied_field: str | None) -> dict[str, Any]:
     fields = dict(
         num_layers=hf["num_hidden_layers"],
@@ -172,6 +212,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(QWEN3, "tunix.models.qwen3.model", "Qwen3", lambda m, hf: _decoder_config(hf, "use_tied_embedding")),
     "GemmaForCausalLM": Family(gemma, "tunix.models.gemma.model", "Gemma", lambda m, hf: _gemma_config(m, hf, False)),
     "Gemma2ForCausalLM": Family(gemma2, "tunix.models.gemma.model", "Gemma", lambda m, hf: _gemma_config(m, hf, True)),
+    "Gemma3ForCausalLM": Family(gemma3, "tunix.models.gemma3.model", "Gemma3", _gemma3_config),
 }  # fmt: skip
 
 

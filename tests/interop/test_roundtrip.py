@@ -61,7 +61,7 @@ def test_hf_folder_to_tunix_qwix_finetune_resume_and_back_to_transformers_and_pe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
 def test_every_family_exports_a_folder_transformers_opens_with_the_same_logits(family, tmp_path):
     from safetensors.numpy import load_file
 

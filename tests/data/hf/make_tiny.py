@@ -3,7 +3,7 @@
     pip install "torch==2.13.0" transformers
     python tests/data/hf/make_tiny.py
 
-One folder per family (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``), written by ``save_pretrained`` as the hub lays
+One folder per family (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``), written by ``save_pretrained`` as the hub lays
 models out (several safetensors files and ``model.safetensors.index.json``), plus ``reference.safetensors``:
 the token ids and torch's float32 logits for them. rope_theta is 1e6 for Llama and Qwen, the value
 google-tunix's attention uses whatever its config says (Gemma's is 10,000 on both sides). About 150 KB per
@@ -40,6 +40,15 @@ FAMILIES = {
         dict(
             GEMMA, num_key_value_heads=2, query_pre_attn_scalar=16, sliding_window=16,
             attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attn_implementation="eager",
+        ),
+    ),
+    # Gemma 3 (text): q/k norms, a local rope base; its first 5 of every 6 layers slide, as tunix's pattern
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            GEMMA, num_key_value_heads=1, query_pre_attn_scalar=16, sliding_window=16, rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0, attn_implementation="eager",
         ),
     ),
 }  # fmt: skip
