@@ -124,3 +124,14 @@ def pytest_collection_modifyitems(config, items):
 
 # tests/data holds test data and the script that regenerates it with torch (not a test module)
 collect_ignore_glob = ["data/*"]
+
+
+@pytest.fixture(autouse=True)
+def _flax_flags_restored():
+    """Flax's global flags as each test found them: importing google-tunix turns eager sharding off for the
+    whole process (``flax_always_shard_variable=False``), which must not leak into the tests after it."""
+    import flax
+
+    before = flax.config.flax_always_shard_variable
+    yield
+    flax.config.update("flax_always_shard_variable", before)

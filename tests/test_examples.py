@@ -145,7 +145,15 @@ def check_tpu(result):
     assert move["bytes_moved"] == move["ideal_bytes"] > 0 and move["never_whole"] is True
 
 
+def check_create(result):
+    median = result["median"]
+    assert 0 < median["baseline_eval_shape_s"] < median["baseline_s"] and median["compile_s"] > 0
+    want = round(median["create_sharded_s"] / median["baseline_s"], 3)
+    assert abs(result["ratio_create_sharded_vs_baseline"] - want) <= 2e-3  # its figures, as rounded
+
+
 BENCHMARKS = {
+    "create": check_create,
     "load": check_load,
     "tpu": check_tpu,
     "infer": check_infer,
@@ -164,6 +172,8 @@ BENCHMARKS = {
 def test_benchmark_smoke(name, tmp_path):
     if name == "tpu":
         pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'nnx-shard[tpu]')")
+    if name == "create":
+        pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'nnx-shard[hf]')")
     out_file = tmp_path / f"{name}.json"
     run(f"bench_{name}.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
     BENCHMARKS[name](json.loads(out_file.read_text()))
