@@ -256,3 +256,28 @@ def test_key_map_is_chosen_from_the_folder_or_named_when_none_fits(tmp_path):
         ns.load_safetensors(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path)
     with pytest.raises(ns.WeightsMismatchError, match="no key_map given"):
         ns.load_safetensors(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "missing")
+
+
+def test_qwix_lora_on_linear_layers_merges_with_the_scale_qwix_recorded(tmp_path):
+    qwix = pytest.importorskip("qwix")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.tanh(self.a(x)))
+
+    x = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
+    provider = qwix.LoraProvider(module_path=".*", rank=2, alpha=6.0)
+    model = qwix.apply_lora_to_model(MLP(nnx.Rngs(0)), provider, jnp.asarray(x), rngs=nnx.Rngs(1))
+    randomize_adapters(model)
+    from nnx_shard._lora import find_adapters
+
+    found = {base: (ad.equation, ad.scale) for base, ad in find_adapters(model).items()}
+    assert found == {"a/kernel": ("ir,ro->io", 3.0), "b/kernel": ("ir,ro->io", 3.0)}  # alpha / rank
+    rules = [(r"(a|b)\.weight", r"\1/kernel", "T"), (r"(a|b)\.bias", r"\1/bias")]
+    ns.save_safetensors(model, tmp_path / "merged", rules)  # no lora_scale: qwix's own
+    plain = MLP(nnx.Rngs(5))
+    ns.load_safetensors(plain, tmp_path / "merged", rules)
+    np.testing.assert_allclose(np.asarray(plain(x)), np.asarray(model(x)), rtol=1e-5, atol=1e-5)
