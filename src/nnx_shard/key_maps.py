@@ -121,20 +121,28 @@ def gemma3(hf: dict[str, Any]) -> list[Rule]:
     return [(f"(?:language_model\\.)?{pattern}", *rest) for pattern, *rest in rules]
 
 
+def _shape(hf: dict[str, Any], vocab: str) -> dict[str, Any]:
+    """The sizes every tunix ModelConfig takes, from ``config.json`` (``vocab``: tunix's name for the vocabulary)."""
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        vocab: hf["vocab_size"],
+        "embed_dim": hf["hidden_size"],
+        "hidden_dim": hf["intermediate_size"],
+        "num_heads": hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    }
+
+
 def _gemma3_config(module: Any, hf: dict[str, Any]) -> dict[str, Any]:
     import jax.numpy as jnp
 
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    fields = _shape(hf, "num_embed")
     norm = module.QueryPreAttentionNormalisation
-    by = norm.BY_ONE_OVER_SQRT_HEAD_DIM if hf.get("query_pre_attn_scalar", head_dim) == head_dim else None
+    scalar = hf.get("query_pre_attn_scalar", fields["head_dim"])
+    by = norm.BY_ONE_OVER_SQRT_HEAD_DIM if scalar == fields["head_dim"] else None
     return dict(
-        num_layers=hf["num_hidden_layers"],
-        num_embed=hf["vocab_size"],
-        embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"],
-        num_heads=hf["num_attention_heads"],
-        head_dim=head_dim,
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        **fields,
         sliding_window_size=hf.get("sliding_window"),
         local_base_frequency=int(hf.get("rope_local_base_freq", 10_000)),
         global_base_frequency=int(hf.get("rope_theta", 10_000)),
@@ -146,13 +154,7 @@ def _gemma3_config(module: Any, hf: dict[str, Any]) -> dict[str, Any]:
 
 def _decoder_config(hf: dict[str, Any], tied_field: str | None) -> dict[str, Any]:
     fields = dict(
-        num_layers=hf["num_hidden_layers"],
-        vocab_size=hf["vocab_size"],
-        embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"],
-        num_heads=hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        **_shape(hf, "vocab_size"),
         rope_theta=int(hf.get("rope_theta", 10_000)),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
     )
@@ -168,13 +170,7 @@ def _gemma_config(module: Any, hf: dict[str, Any], second: bool) -> dict[str, An
     ]
     kind = module.AttentionType
     return dict(
-        num_layers=hf["num_hidden_layers"],
-        num_embed=hf["vocab_size"],
-        embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"],
-        num_heads=hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        **_shape(hf, "num_embed"),
         final_logit_softcap=hf.get("final_logit_softcapping") if second else None,
         attn_logits_soft_cap=hf.get("attn_logit_softcapping") if second else None,
         use_post_attn_norm=second,
