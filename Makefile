@@ -23,12 +23,12 @@ $(STAMP): pyproject.toml $(OLDEST)
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples benchmarks
-	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
+	$(VENV)/bin/ruff format --check nnx_shard tests examples benchmarks
 
 test: $(STAMP)
 	@$(PY) -c "$(STACK)" | sed 's|^|make test (the oldest supported stack, $(OLDEST)): |'
-	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q
 
 # The quick loop while editing: everything but the tests marked slow (processes, long training, compiles).

@@ -33,6 +33,7 @@ STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard
 def save(directory: str, layers: int, width: int) -> dict[str, object]:
     simulate_devices(8)
     import nnx_shard as ns
+    from nnx_shard._checkpoint._format import tree_fingerprints
 
     mesh = ns.create_mesh((8,), ("fsdp",))
     hooks = ns.ShardingHooks(STRATEGY, mesh)
@@ -44,7 +45,7 @@ def save(directory: str, layers: int, width: int) -> dict[str, object]:
             hooks.save(ckpt, 1)
             seconds[verify] = time.perf_counter() - t
     t = time.perf_counter()
-    ns._checkpoint_format.tree_fingerprints(hooks.states())
+    tree_fingerprints(hooks.states())
     fingerprint = time.perf_counter() - t
     return {
         "state_bytes": hooks.plan.total_bytes,
@@ -62,6 +63,7 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
     from jax.sharding import NamedSharding, PartitionSpec
 
     import nnx_shard as ns
+    from nnx_shard._checkpoint._format import tree_fingerprints
 
     mesh = ns.create_mesh((4,), ("fsdp",))
     create = stack_state_factory(layers, width)
@@ -106,10 +108,10 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
     verify_s = verify_warm_s = None
     if variant == "nnx_shard (no verify)":  # what verifying these very arrays costs: first call, then again
         t = time.perf_counter()
-        ns._checkpoint_format.tree_fingerprints(states)
+        tree_fingerprints(states)
         verify_s = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        ns._checkpoint_format.tree_fingerprints(states)
+        tree_fingerprints(states)
         verify_warm_s = round(time.perf_counter() - t, 3)
     return {
         "verify_s": verify_s,

@@ -67,7 +67,7 @@ def reshard_move(smoke: bool) -> dict:
     trainer = ViTTrainer(cfg)
     from flax import nnx
 
-    from nnx_shard._checkpoint_format import abstract_target
+    from nnx_shard._checkpoint._format import abstract_target
 
     states = {k: nnx.state(v) for k, v in nnx.eval_shape(trainer._create).items()}
     strategy = list(cfg.sharding_strategy)

@@ -85,7 +85,7 @@ def _kill() -> None:
 def _arm(trainer, kill: str, seed: int) -> None:
     import orbax.checkpoint as ocp
 
-    import nnx_shard._checkpoint as ckpt_module
+    import nnx_shard._checkpoint._checkpointer as ckpt_module
 
     if kill.startswith("after_step_"):
         at = int(kill.rsplit("_", 1)[1])
@@ -194,7 +194,7 @@ def judge(restart: dict, reference: str, had_usable: bool) -> str:
     if restart.get("hang"):
         return "hang"
     if restart["rc"] != 0:
-        return "named_error" if "nnx_shard._errors." in restart["last"] else "unnamed_error"
+        return "named_error" if "nnx_shard.errors." in restart["last"] else "unnamed_error"
     out = restart["out"]
     if out["digest"] != reference:
         return "wrong"

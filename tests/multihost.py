@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from nnx_shard._launch import free_port
+from nnx_shard._cluster._launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ def write(folder: str, domain: str = "") -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._snapshot import SnapshotWriter, own_bytes
+    from nnx_shard._checkpoint._snapshot import SnapshotWriter, own_bytes
 
     if domain:
         os.environ["NNX_SHARD_FAILURE_DOMAIN"] = f"{domain}{jax.process_index() // 2}"
@@ -40,7 +40,7 @@ def restore_onto_more(folder: str) -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._snapshot_read import restore
+    from nnx_shard._checkpoint._snapshot_read import restore
 
     mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
     target = _states(mesh, seed=7)

@@ -14,56 +14,25 @@ import nnx_shard
 
 PACKAGE = Path(nnx_shard.__file__).parent
 
-# Lower layers never import higher ones (equal ranks may import each other, acyclically).
+# The package's folders, bottom to top: a folder never imports one above it (equal ranks may import
+# each other, acyclically). Top-level modules sit where they belong: errors and key_maps at the bottom,
+# the command line, the seeds' API and the root re-exports at the top.
 LAYERS = {
     "_version": 0,
-    "_caches": 0,
-    "_errors": 0,
-    "_jax_private": 1,
-    "_specs": 1,
-    "_mesh": 2,
-    "_paths": 2,
-    "_tactics": 3,
-    "_logical": 3,
-    "_tactic_parser": 4,
-    "_plan": 4,
-    "_inference": 5,
-    "_placement": 6,
-    "_multihost": 6,
-    "_fingerprint": 6,
-    "_storage_faults": 1,
-    "_explicit": 3,
-    "_workdir": 1,
-    "_distributed": 2,
-    "_launch": 3,
-    "_reshard": 7,
-    "_checkpoint_format": 7,
-    "_checkpoint_dir": 7,
-    "_checkpoint_read": 7,
-    "_checkpoint_plain": 7,
-    "_snapshot": 7,
-    "_snapshot_read": 7,
-    "_checkpoint": 7,
-    "_resize": 7,
-    "_weight_transforms": 1,
-    "_versions": 1,
-    "_visibility": 1,
-    "_hf_folder": 1,
-    "key_maps": 1,
-    "_lora": 3,
-    "_peft": 7,
-    "_weight_keys": 3,
-    "_tpu": 5,
-    "_safetensors": 8,
-    "_safetensors_export": 8,
-    "_hooks": 8,
-    "_restore": 8,
-    "_trainer": 9,
-    "cli": 10,
-    "__main__": 10,
-    "compat": 11,
-    "errors": 1,
-    "__init__": 12,  # the root re-exports everything, the seeds' API included
+    "errors": 0,
+    "key_maps": 1,  # data: the Hugging Face key maps, read by _weights
+    "_base": 1,  # specs, paths, meshes, caches, private JAX, bytes and tables
+    "_sharding": 2,  # strategy -> plan: tactics, parser, logical, explicit, inference
+    "_weights": 2,  # safetensors in and out, key-map transforms, LoRA, PEFT
+    "_cluster": 3,  # the distributed runtime, launcher, barriers, TPU topologies
+    "_reshard": 3,  # plan_reshard / reshard on plain JAX, with the host route
+    "_checkpoint": 4,  # the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, restores
+    "_live": 5,  # placement, the owner, restore_and_reshard, resize
+    "_trainer": 6,
+    "cli": 7,
+    "__main__": 7,
+    "compat": 8,  # the seeds' API, on top of the core and never imported by it
+    "__init__": 9,  # the root re-exports everything, the seeds' API included
 }
 
 
@@ -169,7 +138,9 @@ def test_no_module_imports_another_modules_private_name():
 
 def test_private_jax_is_touched_in_one_place():
     users = [
-        name for name, path in modules().items() if "jax._src" in path.read_text() and name != "_jax_private"
+        name
+        for name, path in modules().items()
+        if "jax._src" in path.read_text() and name != "_base._jax_private"
     ]
     assert not users, users
 
@@ -186,13 +157,13 @@ def test_every_exception_class_lives_in_the_errors_module():
                 and issubclass(obj, BaseException | Warning)
                 and obj.__module__ == info.name
             ):
-                if info.name != "nnx_shard._errors":
+                if info.name != "nnx_shard.errors":
                     stray.append(f"{info.name}.{obj.__name__}")
     assert not stray, stray
 
 
 def test_every_error_is_an_nnx_shard_error_of_a_builtin_kind():
-    from nnx_shard import _errors
+    from nnx_shard import errors as _errors
 
     for obj in vars(_errors).values():
         if (
@@ -286,7 +257,7 @@ def test_python_started_next_to_a_checkout_imports_the_package(tmp_path):
     import subprocess
     import sys
 
-    (tmp_path / "nnx_shard").symlink_to(PACKAGE.parent.parent, target_is_directory=True)
+    (tmp_path / "nnx_shard").symlink_to(PACKAGE.parent, target_is_directory=True)
     code = "import nnx_shard as ns; print(ns.__file__, ns.Trainer.__name__)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True

@@ -22,7 +22,7 @@ def test_every_kill_point_and_every_damage_recovers_exactly_or_names_the_fault(t
     assert all(r["outcome"] == "recovered" and r["restored"] == 9 for r in newest), report
     every = [r for r in results if "every step" in r["trial"]]
     assert every and all(
-        r["outcome"] == "named_error" and r["error"] == "nnx_shard._errors.CheckpointCorruptError"
+        r["outcome"] == "named_error" and r["error"] == "nnx_shard.errors.CheckpointCorruptError"
         for r in every
     )
     assert counts["max_stderr_lines"] <= 20, report

@@ -275,7 +275,7 @@ def test_qwix_lora_on_linear_layers_merges_with_the_scale_qwix_recorded(tmp_path
     provider = qwix.LoraProvider(module_path=".*", rank=2, alpha=6.0)
     model = qwix.apply_lora_to_model(MLP(nnx.Rngs(0)), provider, jnp.asarray(x), rngs=nnx.Rngs(1))
     randomize_adapters(model)
-    from nnx_shard._lora import find_adapters
+    from nnx_shard._weights._lora import find_adapters
 
     found = {base: (ad.equation, ad.scale) for base, ad in find_adapters(model).items()}
     assert found == {"a/kernel": ("ir,ro->io", 3.0), "b/kernel": ("ir,ro->io", 3.0)}  # alpha / rank

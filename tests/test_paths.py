@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_shard._paths import as_state, flatten_leaves, flatten_with_paths, mirror_candidates, path_str
+from nnx_shard._base._paths import as_state, flatten_leaves, flatten_with_paths, mirror_candidates, path_str
 from tests.conftest import MLP, make_train_state
 
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nnx_shard as ns
-from nnx_shard._specs import spec_axes
+from nnx_shard._base._specs import spec_axes
 from tests.conftest import MESHES, mesh_of
 
 SIZES = st.sampled_from([1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32])

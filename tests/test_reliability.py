@@ -337,7 +337,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from nnx_shard._workdir import WorkdirLock; "
+            "import sys, time; from nnx_shard._checkpoint._workdir import WorkdirLock; "
             f"WorkdirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,

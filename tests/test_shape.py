@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from nnx_shard import _tactic_parser
+from nnx_shard._sharding import _parser as _tactic_parser
 from tests.trainer_app import RegressionTrainer, batch_for, config
 
 
 def test_clear_caches_empties_every_cache_and_removes_the_compile_listener():
-    from nnx_shard._caches import _CACHES
+    from nnx_shard._base._caches import _CACHES
     from nnx_shard._trainer import _observe
 
     src = jax.sharding.NamedSharding(ns.create_mesh((8,), ("fsdp",)), jax.P("fsdp"))
@@ -92,7 +92,7 @@ def test_logical_to_mesh_is_flaxs_own_rule_semantics():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from nnx_shard._logical import logical_to_mesh
+    from nnx_shard._sharding._logical import logical_to_mesh
 
     logical = st.sampled_from(["embed", "mlp", "heads", "vocab", "kv"])
     axes = st.sampled_from(["data", "model", "fsdp", ("data", "model")])

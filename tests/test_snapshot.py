@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from nnx_shard._snapshot import HEADER, peers, unpack
+from nnx_shard._checkpoint._snapshot import HEADER, peers, unpack
 
 
 def assemble(pieces: dict, shapes: dict) -> dict[str, np.ndarray]:
@@ -96,7 +96,7 @@ def test_a_snapshot_restores_onto_more_processes_than_it_had(tmp_path, multiproc
     import jax
 
     import nnx_shard as ns
-    from nnx_shard._snapshot import SnapshotWriter
+    from nnx_shard._checkpoint._snapshot import SnapshotWriter
     from tests.snapshot_workers import _states
 
     states = _states(ns.create_mesh((8,), ("fsdp",)))  # one process of 8 devices writes it

@@ -200,8 +200,8 @@ PATHS = {"programs": (-1, False), "host": (2**20, False), "in place": (-1, True)
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
 def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype, monkeypatch):
-    from nnx_shard import _fingerprint
-    from nnx_shard._fingerprint import fingerprints
+    from nnx_shard._checkpoint import _fingerprint
+    from nnx_shard._checkpoint._fingerprint import fingerprints
 
     devices = np.array(jax.devices())
     bits = np.random.default_rng(0).integers(0, 256, (64, 24, 8 * np.dtype(dtype).itemsize), dtype=np.uint8)
@@ -245,7 +245,7 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
 def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatch):
     # One long row is summed as rows of up to 4096 words; an odd stride before the last
     # dimension (the (48, 7) and (8, 6, 5) cases) leaves the array to the devices' programs.
-    from nnx_shard import _fingerprint
+    from nnx_shard._checkpoint import _fingerprint
 
     devices = np.array(jax.devices())
     mesh = Mesh(devices[: 8 if spec == P("f") else 2], ("f",))
@@ -265,7 +265,7 @@ def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
     # norm scales, counters) are summed on the host, large ones in place where they lie.
     import jax.numpy as jnp
 
-    from nnx_shard import _fingerprint
+    from nnx_shard._checkpoint import _fingerprint
 
     mesh = Mesh(np.array(jax.devices()), ("f",))
     small = [

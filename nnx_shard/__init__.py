@@ -1,0 +1,151 @@
+"""nnx_shard: where every array of a Flax NNX training state lives.
+
+The primary API is an ordered list of ``(regex, tactic)`` rules turned into a
+``NamedSharding`` per leaf by :func:`infer_sharding`, then placement
+(:func:`create_sharded`, :func:`place_like_target`), resharding
+(:func:`reshard`), checkpoints (:class:`Checkpointer`,
+:func:`restore_and_reshard`), :class:`ShardingHooks` and the :class:`Trainer`.
+Every exception is also under :mod:`nnx_shard.errors`. The seeds' API
+(eformer's rules and analyzer, big_vision's local-slice helpers) lives in
+:mod:`nnx_shard.compat`; its names still resolve here, with a warning naming
+their new home.
+"""
+
+# _versions first: a jax/flax pair that cannot import is named before anything else imports flax
+from nnx_shard import errors, key_maps
+from nnx_shard._base import _versions  # noqa: F401
+from nnx_shard._base._caches import clear_caches
+from nnx_shard._base._format import format_bytes
+from nnx_shard._base._mesh import (
+    calculate_host_mesh_shape,
+    create_mesh,
+    describe_mesh,
+    mesh_from_string,
+    parse_mesh_dims,
+)
+from nnx_shard._base._paths import Leaf, flatten_state
+from nnx_shard._checkpoint._checkpointer import Checkpointer
+from nnx_shard._checkpoint._format import RestoreOptions, RestoreReport, abstract_target
+from nnx_shard._cluster._distributed import LaunchInfo, initialize_distributed, launch_info
+from nnx_shard._cluster._launch import launch
+from nnx_shard._cluster._multihost import barrier_sync, data_sharding, host_local_to_global
+from nnx_shard._cluster._tpu import CompileReport, tpu_devices
+from nnx_shard._live._hooks import ShardingHooks
+from nnx_shard._live._placement import create_sharded, place_like_target, sharded_init_fn
+from nnx_shard._live._resize import ResizeReport
+from nnx_shard._live._restore import restore_and_reshard
+from nnx_shard._reshard import (
+    LeafReshard,
+    ReshardPlan,
+    Route,
+    find_intermediate_sharding,
+    plan_reshard,
+    reshard,
+    reshard_with_intermediate_sharding,
+)
+from nnx_shard._sharding._explicit import auto_axes
+from nnx_shard._sharding._inference import infer_sharding, plan_sharding
+from nnx_shard._sharding._logical import annotated, logical_to_mesh
+from nnx_shard._sharding._parser import parse_tactic, register_tactic, unregister_tactic
+from nnx_shard._sharding._plan import LeafPlacement, ShardingPlan
+from nnx_shard._sharding._tactics import Tactic, fsdp, replicate, shard_dim, spec, stacked
+from nnx_shard._trainer import Trainer, default_config
+from nnx_shard._version import __version__
+from nnx_shard._weights._load import LoadReport, load_safetensors
+from nnx_shard._weights._peft import save_peft_adapters
+from nnx_shard._weights._save import save_safetensors
+from nnx_shard.errors import *  # noqa: F403  (every exception and warning, also under ns.errors)
+from nnx_shard.errors import __all__ as _ERRORS
+
+__all__ = [
+    *_ERRORS,
+    "compat",
+    "errors",
+    "key_maps",
+    "Checkpointer",
+    "CompileReport",
+    "LaunchInfo",
+    "Leaf",
+    "LeafPlacement",
+    "LeafReshard",
+    "LoadReport",
+    "ReshardPlan",
+    "ResizeReport",
+    "RestoreOptions",
+    "RestoreReport",
+    "Route",
+    "ShardingHooks",
+    "ShardingPlan",
+    "Tactic",
+    "Trainer",
+    "__version__",
+    "abstract_target",
+    "annotated",
+    "auto_axes",
+    "barrier_sync",
+    "calculate_host_mesh_shape",
+    "clear_caches",
+    "create_mesh",
+    "create_sharded",
+    "data_sharding",
+    "default_config",
+    "describe_mesh",
+    "find_intermediate_sharding",
+    "flatten_state",
+    "format_bytes",
+    "fsdp",
+    "host_local_to_global",
+    "infer_sharding",
+    "initialize_distributed",
+    "launch",
+    "launch_info",
+    "load_safetensors",
+    "logical_to_mesh",
+    "mesh_from_string",
+    "parse_mesh_dims",
+    "parse_tactic",
+    "place_like_target",
+    "plan_reshard",
+    "plan_sharding",
+    "register_tactic",
+    "replicate",
+    "reshard",
+    "reshard_with_intermediate_sharding",
+    "restore_and_reshard",
+    "save_peft_adapters",
+    "save_safetensors",
+    "shard_dim",
+    "sharded_init_fn",
+    "spec",
+    "stacked",
+    "tpu_devices",
+    "unregister_tactic",
+]
+
+
+# The seeds' names (eformer, big_vision, the NNX sharding-utils module) live in nnx_shard.compat;
+# from the top level they still work, with one warning each naming where they moved.
+from nnx_shard import compat
+
+_COMPAT = frozenset(compat.__all__)  # the seeds' names, from the top level with a warning
+_warned: set[str] = set()
+
+
+def __getattr__(name: str) -> object:
+    if name in _COMPAT:
+        import warnings
+
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"nnx_shard.{name} is a compatibility name of the seeds' API: import it from "
+                f"nnx_shard.compat (from nnx_shard.compat import {name}).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return getattr(compat, name)
+    raise AttributeError(f"module 'nnx_shard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # the compatibility names are not listed: tools that walk dir() warn on none
+    return sorted(__all__)

@@ -1,0 +1,1 @@
+"""What every layer stands on: partition specs, paths, meshes, caches, private JAX, bytes and tables."""

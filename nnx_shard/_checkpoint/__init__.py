@@ -1,0 +1,1 @@
+"""Checkpoints: the Checkpointer, reads, plain Orbax, the directory, faults, fingerprints, snapshots."""

@@ -1,0 +1,342 @@
+"""Checkpoints over Orbax's CheckpointManager: save with metadata, read straight into target shardings."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import time
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import Mesh
+
+from nnx_shard._base._paths import as_state
+from nnx_shard._checkpoint._directory import (
+    move_failed,
+    move_steps,
+    remove_leftovers,
+    remove_unfinished,
+    save_failed,
+    unreadable,
+)
+from nnx_shard._checkpoint._faults import is_storage_error, storage_faults
+from nnx_shard._checkpoint._format import (
+    describe_strategy,
+    mesh_metadata,
+    storable,
+    tree_fingerprints,
+    write_file_manifest,
+)
+from nnx_shard._checkpoint._reads import CheckpointReads, registry
+from nnx_shard._checkpoint._workdir import set_aside_folder
+from nnx_shard._cluster._multihost import barrier_sync
+from nnx_shard._version import __version__
+from nnx_shard.errors import (
+    CheckpointError,
+    CheckpointSaveError,
+    CheckpointWarning,
+)
+
+logger = logging.getLogger("nnx_shard")
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_checkpointers() -> None:
+    """Lets background saves finish before the interpreter exits (one hook for all Checkpointers)."""
+    for checkpointer in list(_OPEN):
+        checkpointer.close()
+
+
+def _policy(max_to_keep: int | None, best_metric: str | None, best_mode: str) -> Any:
+    policies = ocp.checkpoint_managers
+    if best_metric is None:
+        return policies.LatestN(n=max_to_keep)  # n=None keeps every step
+    best = policies.BestN(
+        get_metric_fn=lambda m: float(m[best_metric]),
+        reverse=best_mode == "min",
+        n=max_to_keep,
+        keep_checkpoints_without_metrics=False,
+    )
+    # The latest checkpoint is kept too, whatever its metric, so a run can always resume.
+    return policies.AnyPreservationPolicy([best, policies.LatestN(n=1)])
+
+
+class Checkpointer(CheckpointReads):
+    """Saves and restores a model + optimizer + EMA with Orbax, resharding on restore.
+
+    Async by default; keeps the last ``max_to_keep`` steps, or the best
+    ``max_to_keep`` by ``best_metric`` plus the latest one. Each checkpoint
+    records the mesh axis names and shape, device and process counts, the
+    strategy and the package version. Orbax writes to a temporary directory
+    and renames it when complete, so an interrupted save never replaces the
+    last good checkpoint. Opening a directory writes nothing; the first save
+    creates it. Close it (or use it as a context manager) to wait for the last
+    background save; any still open at exit are closed then.
+
+    Args:
+      directory: where checkpoints go: a local path or a URI Orbax
+        understands, such as ``gs://bucket/run``.
+      max_to_keep: how many to keep (None: all).
+      best_metric: keep the best ``max_to_keep`` by this key of ``metrics``.
+      best_mode: ``"min"`` or ``"max"`` for ``best_metric``.
+      async_save: write in the background (``wait_until_finished`` to block).
+      verify: record a fingerprint of every array at save (computed on the
+        devices, independent of the sharding) and check it on restore, raising
+        :class:`CheckpointCorruptError` naming the arrays that differ.
+
+    >>> import tempfile
+    >>> from nnx_shard import create_mesh
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> with Checkpointer(tempfile.mkdtemp(), async_save=False) as ckpt:
+    ...     ckpt.save(1, {"model": nnx.Linear(4, 8, rngs=nnx.Rngs(0))}, mesh=mesh)
+    ...     ckpt.latest_step(), ckpt.metadata(1)["devices"]
+    True
+    (1, 8)
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = 3,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+        verify: bool = True,
+    ):
+        if best_mode not in ("min", "max"):
+            raise CheckpointError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
+        # Local paths become absolute; URIs (gs://...) go to Orbax as they are.
+        self.directory = (
+            epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
+        )
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self.verify = verify
+        self._unsealed: list[int] = []  # saved steps whose file manifest is not written yet
+        self._budgeted: dict[int, ocp.CheckpointManager] = {}  # readers with a host-memory budget
+        self._saved_items: dict[int, list[str]] = {}  # per step, its top-level items (from its metadata)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=_policy(max_to_keep, best_metric, best_mode),
+            # best_fn makes Orbax record each step's metrics (it ranks nothing here: the policy does).
+            best_fn=(lambda m: float(m[best_metric])) if best_metric else None,
+            best_mode=best_mode,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=False,
+        )
+        self._options = options
+        self._manager: Any = None
+        self._pending: int | None = None  # the step of a save not yet known to be on disk
+        self.last_skip_reason: str | None = None
+        self.barrier_timeout = 200.0
+        self._closed = False
+        _OPEN.add(self)
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """Orbax's CheckpointManager, opened on first use (a missing directory is never created by reading)."""
+        if self._manager is None:
+            if self._closed:
+                raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")
+            with self._storage(None, "opening"):
+                remove_leftovers(self.directory)  # of interrupted saves, with a note
+                self._manager = ocp.CheckpointManager(
+                    self.directory, options=self._options, handler_registry=registry()
+                )
+        return self._manager
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def save(
+        self,
+        step: int,
+        objects: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        mesh: Mesh | None = None,
+        strategy: Sequence[tuple[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves ``{"model": ..., "optimizer": ..., "ema": ...}`` (objects or States) at ``step``.
+
+        Returns True when the save was started, False when it was not written:
+        the step is already saved, or is older than the newest step (which
+        Orbax never writes over; ``force`` writes an older step). A skip is
+        never silent: a :class:`CheckpointWarning` says why, and
+        ``last_skip_reason`` holds it.
+
+        Raises:
+          CheckpointSaveError: the step could not be written (a full disk, an
+            unwritable directory), naming the step, the path and the OS error;
+            with async saves, raised by the next ``save``,
+            ``wait_until_finished`` or ``close``. Earlier steps stay intact and
+            the next save, once the cause is gone, writes.
+        """
+        step = int(step)
+        self.last_skip_reason = None
+        self.wait_until_finished()  # a failed earlier save is reported before this one starts
+        reason = self._skip_reason(step, force)
+        if reason is not None:
+            return self._skipped(step, reason)
+        states, keys = storable(as_state(dict(objects))[0])
+        meta = {
+            "step": step,
+            "nnx_shard_version": __version__,
+            "strategy": describe_strategy(strategy),
+            **mesh_metadata(mesh),
+            "prng_keys": keys,
+            **(dict(extra) if extra else {}),
+        }
+        if self.verify:
+            start = time.perf_counter()
+            meta["fingerprints"] = tree_fingerprints(states)
+            logger.info("fingerprinted step %d in %.3f s", step, time.perf_counter() - start)
+        with self._storage(step, "saving"):
+            if not self._exists():
+                self.directory.mkdir(parents=True, exist_ok=True)
+            self._pending = step
+            started = self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(states), meta=ocp.args.JsonSave(meta)),
+                metrics=dict(metrics) if metrics is not None else None,
+                force=force,
+            )
+        if not started:
+            self._pending = None
+            return self._skipped(step, "Orbax's save policy declined it")
+        self._unsealed.append(step)
+        if not self._options.enable_async_checkpointing:
+            self.wait_until_finished()
+        return True
+
+    def _skip_reason(self, step: int, force: bool) -> str | None:
+        steps = self.all_steps()
+        if step in steps:
+            return f"step {step} is already saved there"
+        if steps and step < steps[-1] and not force:
+            return (
+                f"it is older than the newest step {steps[-1]}, and Orbax only writes newer steps "
+                f"(a run that restored an older step sets the newer ones aside first; Trainer.train does)"
+            )
+        return None
+
+    def _skipped(self, step: int, reason: str) -> bool:
+        self.last_skip_reason = reason
+        warnings.warn(
+            f"step {step} was not saved in {self.directory}: {reason}.", CheckpointWarning, stacklevel=3
+        )
+        return False
+
+    def wait_until_finished(self) -> None:
+        """Blocks until a background save is on disk (and records its files' checksums).
+
+        Raises:
+          CheckpointSaveError: that save failed; its partial files are removed.
+        """
+        step = self._pending
+        with self._storage(step, "saving"):
+            if self._manager is not None:
+                self._manager.wait_until_finished()
+            if self.verify:
+                for s in self._unsealed:
+                    write_file_manifest(self.directory / str(s))
+        self._unsealed.clear()
+        self._pending = None
+
+    def _save_failed(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+        """Forgets the failed save (Orbax's manager, its partial files) so that the next save writes."""
+        self._pending, self._unsealed = None, []
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception as e:  # the failed save's own error again, being reported now
+                if not is_storage_error(e):
+                    raise
+        if step is not None:  # its temporaries go when the next manager opens the directory
+            with contextlib.suppress(OSError):
+                remove_unfinished(self.directory, step)
+        return save_failed(self.directory, step, error)
+
+    @contextlib.contextmanager
+    def _storage(self, step: int | None, doing: str) -> Iterator[list[str]]:
+        """Turns storage faults raised inside into our errors (see :func:`storage_faults`)."""
+
+        def convert(e: BaseException, hidden: list[str]) -> BaseException:
+            if doing == "saving":
+                return self._save_failed(step, e)
+            if doing == "setting aside":
+                return move_failed(self.directory, e)
+            others = [s for s in self.all_steps() if s != step] if step is not None else []
+            return unreadable(self.directory, step, e, hidden, others)
+
+        with storage_faults(convert) as hidden:
+            yield hidden
+
+    def set_aside(self, steps: Sequence[int], *, kind: str, why: str) -> Any:
+        """Moves ``steps`` out of the directory (never deleted) so that no restore picks them again.
+
+        They go to ``<directory>.set_aside/<kind>-<time>/<step>``; process 0
+        moves, every process then sees the new list of steps. Returns that folder.
+        """
+        steps = sorted(int(s) for s in steps)
+        self.wait_until_finished()
+        folder = set_aside_folder(self.directory, kind)
+        if jax.process_index() == 0 and steps:
+            with self._storage(None, "setting aside"):
+                move_steps(self.directory, steps, folder)
+        barrier_sync(f"nnx_shard/set_aside/{kind}", timeout=self.barrier_timeout)
+        self._saved_items = {k: v for k, v in self._saved_items.items() if k not in steps}
+        for reader in self._budgeted.values():
+            reader.reload()
+        if steps:
+            warnings.warn(
+                f"set aside steps {steps} of {self.directory} in {folder}: {why}.",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return folder
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The step with the best ``best_metric`` among those kept (None without a metric)."""
+        if self.best_metric is None:
+            return None
+        scored = []
+        for step in self.all_steps():
+            value = (self.manager.metadata(step).metrics or {}).get(self.best_metric)
+            if value is not None:
+                scored.append((float(value) if self.best_mode == "min" else -float(value), step))
+        return min(scored)[1] if scored else None
+
+    def close(self) -> None:
+        """Waits for a background save and releases Orbax's resources (idempotent)."""
+        for reader in self._budgeted.values():
+            reader.close()
+        self._budgeted.clear()
+        self._closed = True
+        _OPEN.discard(self)
+        if self._manager is not None:
+            try:
+                self.wait_until_finished()
+            finally:
+                if self._manager is not None:
+                    self._manager.close()
+                    self._manager = None

@@ -1,0 +1,338 @@
+"""What a checkpoint holds and how it is checked: metadata, typed keys as key data, fingerprints, structure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from nnx_shard._base._mesh import describe_mesh
+from nnx_shard._base._paths import as_state, flatten_with_paths, is_variable
+from nnx_shard._base._specs import is_key
+from nnx_shard._checkpoint._fingerprint import fingerprints
+from nnx_shard.errors import CheckpointError
+
+
+def describe_strategy(strategy: Sequence[tuple[str, Any]] | None) -> list[list[str]] | None:
+    """A JSON-ready copy of a strategy: ``[[regex, tactic text], ...]``."""
+    if strategy is None:
+        return None
+    return [[str(p), t if isinstance(t, str) else str(t)] for p, t in strategy]
+
+
+def mesh_metadata(mesh: Mesh | None) -> dict[str, Any]:
+    """What a checkpoint records about where it was saved."""
+    out: dict[str, Any] = {"devices": jax.device_count(), "processes": jax.process_count()}
+    if mesh is not None:
+        out["mesh_axis_names"] = list(mesh.axis_names)
+        out["mesh_shape"] = [int(s) for s in mesh.devices.shape]
+        out["mesh"] = describe_mesh(mesh)
+    return out
+
+
+def abstract_target(state: Any, shardings: Any) -> Any:
+    """Abstract arrays carrying the target shardings, for Orbax to restore straight into.
+
+    ``state`` may be live or abstract (``nnx.eval_shape``) Modules, States or
+    pytrees; ``shardings`` is :func:`nnx_shard.infer_sharding`'s output for it.
+    Nothing is allocated.
+
+    >>> from nnx_shard import create_mesh, infer_sharding
+    >>> mesh = create_mesh((8,), ("fsdp",))
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 16, rngs=nnx.Rngs(0)))
+    >>> target = abstract_target(model, infer_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh))
+    >>> target["kernel"].get_value().sharding.spec
+    P(None, 'fsdp')
+    """
+    states, _ = as_state(state)
+
+    def one(sharding: Any, leaf: Any) -> Any:
+        value = leaf.get_value() if is_variable(leaf) else leaf
+        if sharding is None or not hasattr(value, "shape"):
+            return leaf
+        sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return leaf.replace(sds) if is_variable(leaf) else sds
+
+    return jax.tree.map(one, shardings, states, is_leaf=lambda x: x is None)
+
+
+def leaf_paths(tree: Any) -> dict[str, Any]:
+    """``path -> value`` for every leaf, in the layout Orbax saves (a Variable's ``/value`` dropped)."""
+    out = {}
+    for path, leaf in flatten_with_paths(tree)[0]:
+        out[path.removesuffix("/value")] = leaf.get_value() if is_variable(leaf) else leaf
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreOptions:
+    """How a restore reads, built once from the public arguments and passed down unchanged.
+
+    Attributes:
+      items: the objects to restore (None: all the hooks own).
+      item: for a plain Orbax checkpoint, the name of its item to read.
+      ema_as_model: load the checkpoint's EMA parameters into the model's.
+      free_live: free the live arrays being restored before the read.
+      max_host_bytes: the host memory the read may hold at once; None is no limit
+        (``0``, as ``config.max_host_bytes`` spells it, becomes None here).
+      frozen: an nnx filter of model parameters the checkpoint does not hold.
+
+    >>> RestoreOptions(items=["model"], max_host_bytes=0)
+    RestoreOptions(items=('model',), item=None, ema_as_model=False, free_live=False, max_host_bytes=None, frozen=None)
+    """
+
+    items: tuple[str, ...] | None = None
+    item: str | None = None
+    ema_as_model: bool = False
+    free_live: bool = False
+    max_host_bytes: int | None = None
+    frozen: Any = None
+
+    def __post_init__(self) -> None:
+        if self.items is not None:
+            object.__setattr__(self, "items", tuple(self.items))
+        if self.max_host_bytes is not None:
+            if not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0:
+                raise CheckpointError(
+                    f"max_host_bytes is a whole number of bytes >= 0 (0 or None: no limit); got {self.max_host_bytes!r}."
+                )
+            object.__setattr__(self, "max_host_bytes", self.max_host_bytes or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+    """What a restore did: which step, from where, onto what.
+
+    >>> print(RestoreReport(300, {"devices": 8, "mesh": "fsdp=8", "processes": 1}, 4, 1, "fsdp=4"))
+    restored step 300, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"""
+
+    step: int | None
+    saved: dict[str, Any]
+    devices: int
+    processes: int
+    mesh: str
+    items: tuple[str, ...] | None = None
+    ema_as_model: bool = False
+    plain: str | None = None  # the items read from a checkpoint written by plain Orbax
+
+    def __str__(self) -> str:
+        show = self.saved.get("processes", 1) != 1 or self.processes != 1
+        saved = _where(
+            self.saved.get("devices", 0), self.saved.get("mesh", "?"), self.saved.get("processes", 1), show
+        )
+        onto = _where(self.devices, self.mesh, self.processes, show)
+        if self.plain is not None:
+            step = "" if self.step is None else f"step {self.step}, "
+            return (
+                f"restored {step}{self.plain} of a plain Orbax checkpoint onto {onto}; "
+                f"it carries no fingerprints, so its content was not verified"
+            )
+        what = f"step {self.step}"
+        if self.items is not None:
+            extra = "; the EMA parameters as the model" if self.ema_as_model else ""
+            what += f" ({', '.join(self.items)} only{extra})"
+        return f"restored {what}, saved on {saved}, onto {onto}"
+
+
+def _where(devices: int, mesh: str, processes: int, show_processes: bool) -> str:
+    """``8 devices (fsdp=8)``, ``1 device``, ``4 devices (fsdp=4) in 2 processes``."""
+    text = f"{devices} device{'s' if devices != 1 else ''}" + (f" ({mesh})" if devices != 1 else "")
+    if show_processes:
+        text += f" in {processes} process{'es' if processes != 1 else ''}"
+    return text
+
+
+def _is_key(x: Any) -> bool:
+    return is_key(x) and hasattr(x, "dtype")
+
+
+def map_leaves(fn: Any, tree: Any) -> Any:
+    """``fn(path, value)`` on every leaf (a Variable's value), keeping Variables and structure."""
+    flat, treedef = flatten_with_paths(tree)
+    out = []
+    for path, leaf in flat:
+        if is_variable(leaf):
+            value = leaf.get_value()
+            new = fn(path, value)
+            out.append(leaf if new is value else leaf.replace(new))
+        else:
+            out.append(fn(path, leaf))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def storable(states: Any) -> tuple[Any, dict[str, str]]:
+    """States with every typed PRNG key replaced by its key data, and ``{path: key impl}`` to undo it.
+
+    >>> tree, keys = storable({"rng": jax.random.key(0)})
+    >>> tree["rng"].dtype, keys
+    (dtype('uint32'), {'rng': 'threefry2x32'})
+    """
+    keys: dict[str, str] = {}
+
+    def one(path: str, value: Any) -> Any:
+        if _is_key(value):
+            keys[path] = str(jax.random.key_impl(value))
+            return jax.random.key_data(value)
+        return value
+
+    return map_leaves(one, states), keys
+
+
+def storage_target(target: Any) -> tuple[Any, set[str]]:
+    """A restore target whose typed keys are their key data (as stored), and the paths of those keys."""
+    keys: set[str] = set()
+
+    def one(path: str, value: Any) -> Any:
+        if _is_key(value) and isinstance(value, jax.ShapeDtypeStruct):
+            keys.add(path)
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(value.shape, value.dtype))
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=value.sharding)
+        return value
+
+    return map_leaves(one, target), keys
+
+
+def restore_keys(states: Any, impls: dict[str, str], paths: set[str]) -> Any:
+    """Key data back into typed keys at ``paths`` (the impl recorded at save, else JAX's default)."""
+    if not paths:
+        return states
+    default = str(jax.random.key_impl(jax.random.key(0)))
+
+    def one(path: str, value: Any) -> Any:
+        if path in paths:
+            return jax.random.wrap_key_data(value, impl=impls.get(path, default))
+        return value
+
+    return map_leaves(one, states)
+
+
+def tree_fingerprints(states: Any) -> dict[str, str]:
+    """``{path: fingerprint}`` of every array in ``states`` (keys as their data), computed on the devices."""
+    arrays = {p: v for p, v in leaf_paths(states).items() if isinstance(v, jax.Array)}
+    return dict(zip(arrays, fingerprints(list(arrays.values())), strict=True))
+
+
+def structure_problems(
+    saved: dict[str, Any], wanted: dict[str, Any], items: Sequence[str] | None
+) -> list[str]:
+    """How the saved leaves differ from the wanted ones (within ``items``, when restoring only those)."""
+    if items is not None:
+        saved = {p: v for p, v in saved.items() if p.split("/", 1)[0] in items}
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    shapes = [
+        f"{p}: saved {tuple(saved[p].shape)}, expected {tuple(wanted[p].shape)}"
+        for p in sorted(set(saved) & set(wanted))
+        if tuple(getattr(saved[p], "shape", ())) != tuple(wanted[p].shape)
+    ]
+    parts = []
+    if missing:
+        parts.append(f"not in the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        parts.append(f"only in the checkpoint: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    if shapes:
+        parts.append(
+            f"shapes differ in {len(shapes)} leaves: {shapes[:8]}{' ...' if len(shapes) > 8 else ''}"
+        )
+    return parts
+
+
+MANIFEST = "nnx_shard_files.json"
+SMALL_FILE_BYTES = 2**20
+
+
+def write_file_manifest(step_dir: Any) -> None:
+    """Records a CRC-32 of each small file a finished step holds (``nnx_shard_files.json``).
+
+    Array content is covered by the fingerprints; this covers the small files
+    (tree nodes, inline values and their copies) that Orbax may keep besides.
+    Only process 0 writes it.
+    """
+    if jax.process_index() != 0 or not step_dir.exists() or (step_dir / MANIFEST).exists():
+        return
+    sums = {}
+    for f in _files(step_dir):
+        if f.name != MANIFEST and f.stat().length <= SMALL_FILE_BYTES:
+            sums[str(f.relative_to(step_dir))] = zlib.crc32(f.read_bytes())
+    (step_dir / MANIFEST).write_text(json.dumps(sums))
+
+
+def _files(folder: Any) -> list[Any]:
+    out = []
+    for entry in sorted(folder.iterdir()):
+        out.extend(_files(entry) if entry.is_dir() else [entry])
+    return out
+
+
+def changed_files(step_dir: Any) -> list[str]:
+    """The small files of a step that differ from its manifest (empty without one)."""
+    manifest = step_dir / MANIFEST
+    if not manifest.exists():
+        return []
+    try:
+        sums = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return [MANIFEST]
+    if not isinstance(sums, dict):
+        return [MANIFEST]
+    changed = []
+    for name, crc in sums.items():
+        f = step_dir / name
+        if not f.exists() or zlib.crc32(f.read_bytes()) != crc:
+            changed.append(name)
+    return changed
+
+
+JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "meta/metadata", MANIFEST)
+
+
+def unreadable_json(step_dir: Any) -> list[str]:
+    """The JSON files Orbax reads from a step that are missing, empty or do not parse (for naming a decode error)."""
+    bad = []
+    candidates = [step_dir / name for name in JSON_FILES]
+    metadatas = step_dir / "state" / "array_metadatas"
+    if metadatas.exists():
+        candidates += sorted(metadatas.iterdir())
+    for f in candidates:
+        name = str(f.relative_to(step_dir))
+        try:
+            json.loads(f.read_text())
+        except FileNotFoundError:
+            if name != MANIFEST:
+                bad.append(f"{name} (missing)")
+        except (OSError, ValueError):
+            bad.append(name)
+    return bad
+
+
+def check_placed(states: Any, shardings: Any) -> None:
+    """Refuses a restore that did not land exactly on the target (never keep an old device subset)."""
+    targets, treedef = jax.tree_util.tree_flatten(shardings, is_leaf=lambda v: v is None)
+    for target, sub in zip(targets, treedef.flatten_up_to(states), strict=True):
+        for x in jax.tree.leaves(sub):
+            if (
+                target is not None
+                and isinstance(x, jax.Array)
+                and not x.sharding.is_equivalent_to(target, x.ndim)
+            ):
+                raise CheckpointError(f"a restored array landed on {x.sharding}, not on the target {target}.")
+
+
+def restore_names(objects: Sequence[str], items: Sequence[str] | None, ema_as_model: bool) -> list[str]:
+    """The objects a restore reads: ``items`` (default all), checked; the EMA not read with ``ema_as_model``."""
+    names = list(objects) if items is None else list(items)
+    unknown = sorted(set(names) - set(objects))
+    if unknown:
+        raise CheckpointError(
+            f"items {unknown} are not among the objects {sorted(objects)}; restore some of those."
+        )
+    if ema_as_model and "model" not in names:
+        raise CheckpointError(
+            "ema_as_model=True loads EMA parameters into the 'model' object; include 'model' in items."
+        )
+    return [n for n in names if n != "ema"] if ema_as_model else names

@@ -1,0 +1,225 @@
+"""Reading a checkpoint: its steps' metadata and structure, checked, then read straight into target shardings."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from nnx_shard._checkpoint._directory import corrupted, read_limit
+from nnx_shard._checkpoint._format import (
+    changed_files,
+    leaf_paths,
+    restore_keys,
+    storage_target,
+    structure_problems,
+    tree_fingerprints,
+)
+from nnx_shard.errors import CheckpointCorruptError, CheckpointMismatchError, NoCheckpointError
+
+logger = logging.getLogger("nnx_shard")
+
+
+def registry(restore_bytes: int | None = None) -> Any:
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    impl = None
+    if restore_bytes is not None:  # Orbax's byte limiter for reads, at byte (not GB) granularity
+        impl = ocp.BasePyTreeCheckpointHandler(restore_concurrent_bytes=int(restore_bytes))
+    state, meta = ocp.PyTreeCheckpointHandler(handler_impl=impl), ocp.JsonCheckpointHandler()
+    registry.add("state", ocp.args.PyTreeSave, state)
+    registry.add("state", ocp.args.PyTreeRestore, state)
+    registry.add("meta", ocp.args.JsonSave, meta)
+    registry.add("meta", ocp.args.JsonRestore, meta)
+    return registry
+
+
+class CheckpointReads:
+    """The reading half of :class:`nnx_shard.Checkpointer` (which holds the Orbax manager and the writes)."""
+
+    directory: epath.Path
+    verify: bool
+    _options: Any
+    _saved_items: dict[int, list[str]]
+    _budgeted: dict[int, ocp.CheckpointManager]
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        raise NotImplementedError
+
+    def _exists(self) -> bool:
+        return self.directory.exists()
+
+    def _storage(self, step: int | None, doing: str) -> contextlib.AbstractContextManager[list[str]]:
+        raise NotImplementedError
+
+    def all_steps(self) -> list[int]:
+        """The steps on disk, oldest first (empty when the directory does not exist)."""
+        if not self._exists():
+            return []
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
+        self._check_step(step)
+        with self._storage(step, "reading"):
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if not isinstance(meta, Mapping):
+            raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
+        return dict(meta)
+
+    def items(self, step: int) -> list[str]:
+        """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
+        if step not in self._saved_items:
+            self._saved_items[step] = sorted(self._saved_tree(step))
+        return self._saved_items[step]
+
+    def _saved_tree(self, step: int) -> Any:
+        """The saved state's tree metadata (``state/_METADATA``), read as a storage fault would be reported."""
+        with self._storage(step, "reading"):
+            items = self.manager.metadata(step).item_metadata
+            tree = items.get("state") if items is not None else None
+        if not tree:
+            raise self._corrupted(
+                step, "the state item has no metadata (state/_METADATA is missing or empty)"
+            )
+        return tree
+
+    def _check_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            where = "" if self._exists() else " (the directory does not exist)"
+            raise NoCheckpointError(
+                f"no checkpoint in {self.directory}{where}; save one first, or check the path."
+            )
+        if step is None:
+            return max(steps)
+        if step not in steps:
+            raise NoCheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; the steps there are {steps}."
+            )
+        return step
+
+    def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
+        """Raises CheckpointMismatchError naming the paths and shapes that differ.
+
+        With ``items`` (a partial restore), only the saved leaves under those
+        top-level keys are compared; within them the structure must match exactly.
+        """
+        with self._storage(step, "reading"):
+            changed = changed_files(self.directory / str(step)) if self.verify else []
+        if changed:
+            raise self._corrupted(
+                step, f"{len(changed)} of its files differ from when it was saved: {changed[:8]}"
+            )
+        saved_tree = self._saved_tree(step)
+        self._saved_items[step] = sorted(saved_tree)
+        saved = leaf_paths(saved_tree)
+        wanted = {p: v for p, v in leaf_paths(storage_target(target)[0]).items() if hasattr(v, "shape")}
+        parts = structure_problems(saved, wanted, items)
+        if parts:
+            raise CheckpointMismatchError(
+                f"step {step} in {self.directory} holds another structure than the state restored into; "
+                + "; ".join(parts)
+                + ". Build the model, optimizer and EMA with the config they were saved with."
+            )
+
+    def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
+        """The step to read (default: the latest), once it exists and matches ``target``'s structure.
+
+        Raises:
+          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
+        """
+        step = self._check_step(step)
+        self.check_structure(step, target, items=items)
+        return step
+
+    def _reader(self, max_host_bytes: int | None, target: Any) -> ocp.CheckpointManager:
+        """Orbax's reader, with a byte limiter when the read's host memory is bounded (see ``read_limit``)."""
+        if max_host_bytes is None:
+            return self.manager
+        limit = read_limit(max_host_bytes, target)
+        if limit not in self._budgeted:
+            self._budgeted[limit] = ocp.CheckpointManager(
+                self.directory, options=self._options, handler_registry=registry(limit)
+            )
+        return self._budgeted[limit]
+
+    def read(
+        self, step: int, target: Any, *, partial: bool = False, max_host_bytes: int | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reads a :meth:`validate`-d step straight into ``target``'s shardings: ``(states, metadata)``.
+
+        With ``partial``, only the leaves in ``target`` are read. Typed PRNG keys
+        come back as keys. When the checkpoint carries fingerprints (and
+        ``verify`` is on), the restored arrays are checked against them.
+        ``max_host_bytes`` bounds the bytes Orbax holds in host memory for
+        reads in flight at once (its restore byte limiter).
+
+        Raises:
+          CheckpointCorruptError: the data cannot be read, or differs from what
+            was saved (the arrays are named); nothing live is touched.
+        """
+        stored, keys = storage_target(target)
+        with self._storage(step, "reading"):
+            out = self._reader(max_host_bytes, stored).restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        stored,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
+                        partial_restore=partial,
+                    ),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        states, meta = out["state"], out["meta"]
+        if not isinstance(meta, Mapping):
+            raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
+        meta = dict(meta)
+        if self.verify and "fingerprints" in meta:
+            self._verify(step, states, meta["fingerprints"])
+        return restore_keys(states, meta.get("prng_keys", {}), keys), meta
+
+    def _verify(self, step: int, states: Any, saved: dict[str, str]) -> None:
+        start = time.perf_counter()
+        got = tree_fingerprints(states)
+        differ = sorted(p for p, fp in got.items() if p in saved and saved[p] != fp)
+        logger.info("verified %d arrays of step %d in %.3f s", len(got), step, time.perf_counter() - start)
+        if differ:
+            for x in jax.tree.leaves(states):  # drop what was read; nothing live holds it
+                if isinstance(x, jax.Array):
+                    x.delete()
+            listed = f"{differ[:8]}{' ...' if len(differ) > 8 else ''}"
+            raise self._corrupted(
+                step, f"the content of {len(differ)} arrays differs from what was saved: {listed}"
+            )
+
+    def _corrupted(self, step: int, what: str) -> CheckpointCorruptError:
+        return corrupted(self.directory, step, what, [s for s in self.all_steps() if s != step])
+
+    def restore(
+        self, step: int | None, target: Any, *, items: Sequence[str] | None = None
+    ) -> tuple[int, Any, dict[str, Any]]:
+        """Validates and reads ``step`` (default: the latest) straight into ``target``'s shardings.
+
+        Args:
+          step: the step, or None for the latest.
+          target: :func:`abstract_target` output: abstract arrays with shardings.
+          items: restore only these top-level items (``target`` holds just them).
+
+        Returns:
+          ``(step, states, metadata)``; nothing live is touched.
+
+        Raises:
+          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
+        """
+        step = self.validate(step, target, items=items)
+        states, meta = self.read(step, target, partial=items is not None)
+        return step, states, meta

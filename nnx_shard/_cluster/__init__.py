@@ -1,0 +1,1 @@
+"""Processes and pods: the distributed runtime, the launcher, barriers, host-local data, TPU topologies."""

@@ -1,0 +1,403 @@
+"""ShardingHooks: the one owner of (strategy, mesh, plan, live objects); places them on init, restore and resize."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard._base._mesh import describe_mesh
+from nnx_shard._base._paths import as_state, is_graph_object
+from nnx_shard._checkpoint._checkpointer import Checkpointer
+from nnx_shard._checkpoint._faults import quiet
+from nnx_shard._checkpoint._format import (
+    RestoreOptions,
+    RestoreReport,
+    abstract_target,
+    check_placed,
+    restore_names,
+)
+from nnx_shard._checkpoint._plain import plain_source
+from nnx_shard._cluster._multihost import barrier_sync
+from nnx_shard._live._placement import create_sharded
+from nnx_shard._live._resize import ResizeReport, move
+from nnx_shard._reshard import reshard
+from nnx_shard._sharding._inference import plan_sharding
+from nnx_shard._sharding._plan import ShardingPlan
+from nnx_shard.errors import CheckpointError, LifecycleError
+
+logger = logging.getLogger("nnx_shard")
+
+
+class ShardingHooks:
+    """Keeps a model, its ``nnx.Optimizer`` and its EMA on the shardings one strategy infers.
+
+    The hooks own the strategy, the mesh, the plan and the live objects;
+    everything that changes where the objects live goes through them.
+    ``on_init`` creates the objects already sharded (or moves given ones into
+    place); ``on_restore`` brings state that Orbax (or anything else) loaded,
+    on any mesh, on the host or as numpy, onto the current mesh, donatable,
+    and updates the live objects; :meth:`restore_and_reshard` reads a
+    checkpoint straight into the current shardings. Each ends with a named
+    :func:`barrier_sync`. The EMA and every optimizer slot follow their
+    parameter's sharding. A functional loop takes :meth:`states` and gives
+    the new ones back with :meth:`update`.
+
+    Args:
+      strategy: ``[(regex, tactic), ...]`` written against the model's parameter paths.
+      mesh: the current mesh.
+      strict: as for :func:`nnx_shard.infer_sharding`.
+      barrier_timeout: seconds for the barriers after init and restore.
+
+    >>> import optax
+    >>> from nnx_shard import create_mesh
+    >>> hooks = ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+    >>> def create():
+    ...     model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
+    ...     return {"model": model, "optimizer": nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+    ...             "ema": nnx.EMA(model, decay=0.9)}
+    >>> objects = hooks.on_init(create)
+    >>> objects["ema"].params["kernel"].get_value().sharding.spec
+    P(None, 'fsdp')
+    """
+
+    def __init__(
+        self,
+        strategy: Sequence[tuple[str, Any]],
+        mesh: Mesh,
+        *,
+        strict: bool = True,
+        barrier_timeout: float = 200.0,
+    ):
+        self._strategy = list(strategy)
+        self._mesh = mesh
+        self._strict = strict
+        self.barrier_timeout = barrier_timeout
+        self._objects: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._plan: ShardingPlan | None = None
+
+    # -- what the hooks own --------------------------------------------------------
+
+    @property
+    def strategy(self) -> list[tuple[str, Any]]:
+        return self._strategy
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def initialized(self) -> bool:
+        return self._objects is not None
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The sharding plan of the live objects."""
+        self._require("a plan")
+        return self._plan
+
+    @property
+    def shardings(self) -> Any:
+        """The inferred shardings of the live objects (a dict of States)."""
+        return self.plan.shardings
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The live objects, up to date with the last :meth:`update` (reading them calls :meth:`sync`)."""
+        self.sync()
+        return dict(self._objects)
+
+    def sync(self) -> None:
+        """Writes the states given to :meth:`update` into the live objects the user holds."""
+        self._require("live objects")
+        if self._pending is not None:
+            self._write(self._pending)
+            self._pending = None
+
+    def _require(self, what: str) -> None:
+        if self._objects is None:
+            raise LifecycleError(
+                f"the hooks have no {what} yet: call on_init(create) or adopt(objects) first."
+            )
+
+    def states(self) -> dict[str, Any]:
+        """The live state of each object (``nnx.State``), as a jitted step takes it."""
+        self._require("live objects")
+        return dict(self._pending) if self._pending is not None else as_state(self._objects)[0]
+
+    def update(self, states: Mapping[str, Any]) -> None:
+        """Takes new states (a jitted step's output) for the live objects.
+
+        They reach the objects on :meth:`sync` (or when :attr:`objects` is read),
+        so a loop that passes states from step to step pays nothing per step.
+        """
+        self._require("live objects")
+        self._check_keys(states, "states for {unknown}, which are not among the objects {objects}.")
+        self._pending = {**self.states(), **states}
+
+    def _check_keys(self, given: Mapping[str, Any], message: str) -> None:
+        """Raises ``message`` (with ``{unknown}`` and ``{objects}``) for keys that name no live object."""
+        unknown = sorted(set(given) - set(self._objects))
+        if unknown:
+            raise CheckpointError(message.format(unknown=unknown, objects=sorted(self._objects)))
+
+    def _write(self, states: Mapping[str, Any]) -> None:
+        for key, state in states.items():
+            if is_graph_object(self._objects[key]):
+                nnx.update(self._objects[key], state)
+            else:
+                self._objects[key] = state
+
+    # -- init ------------------------------------------------------------------------
+
+    def on_init(
+        self,
+        create: Callable[[], Mapping[str, Any]] | None = None,
+        *,
+        objects: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Creates the objects sharded from ``create()``, or moves existing ``objects`` into place.
+
+        Args:
+          create: returns ``{"model": ..., "optimizer": ..., "ema": ...}``; run
+            abstractly, then under jit so no device holds an unsharded array.
+          objects: existing objects to move onto the inferred shardings instead.
+
+        Returns:
+          The live objects.
+        """
+        if (create is None) == (objects is None):
+            raise LifecycleError(
+                "on_init takes exactly one of create= (a factory) or objects= (live objects)."
+            )
+        if create is not None:
+            made, plan = create_sharded(create, self._strategy, self._mesh, strict=self._strict)
+            self._objects, self._plan, self._pending = dict(made), plan, None
+        else:
+            self.adopt(objects)
+            self._write(reshard(self.states(), self._plan.shardings, donate=True))
+        barrier_sync("nnx_shard/on_init", timeout=self.barrier_timeout)
+        return self.objects
+
+    def adopt(self, objects: Mapping[str, Any]) -> dict[str, Any]:
+        """Takes ``objects`` (live or abstract) as they are and plans their shardings; moves nothing.
+
+        Use it to restore into objects built elsewhere (the restore then puts
+        every array in place).
+        """
+        self._objects, self._pending = dict(objects), None
+        self._plan = plan_sharding(self._objects, self._strategy, self._mesh, strict=self._strict)
+        return self.objects
+
+    # -- restore -------------------------------------------------------------------------
+
+    def on_restore(self, restored: Mapping[str, Any]) -> None:
+        """Puts loaded state onto the current shardings and into the live objects.
+
+        ``restored`` maps the same keys as the objects to States, pure dicts
+        (``nnx.to_pure_dict``) or numpy trees, on any mesh or on the host.
+        Arrays on devices are resharded (no host round trip); host data is
+        placed shard by shard. The results own their buffers, so the next
+        jitted step can donate them.
+        """
+        self._require("live objects to restore into")
+        self._check_keys(restored, "restored keys {unknown} are not among the objects {objects}.")
+        live = self.states()
+        incoming = {}
+        for key, value in restored.items():
+            if isinstance(value, nnx.State) or is_graph_object(value):
+                incoming[key] = nnx.state(value) if is_graph_object(value) else value
+            else:  # a pure dict: put its values into the live structure
+                template = jax.tree.map(lambda x: x, live[key])
+                nnx.replace_by_pure_dict(template, _unwrap_values(value))
+                incoming[key] = template
+        shardings = {k: self.shardings[k] for k in incoming}
+        self.update(reshard(incoming, shardings, donate=False))
+        barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
+
+    def restore_and_reshard(
+        self,
+        checkpointer: Checkpointer | str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        items: Sequence[str] | None = None,
+        item: str | None = None,
+        ema_as_model: bool = False,
+        free_live: bool = False,
+        max_host_bytes: int | None = None,
+        frozen: Any = None,
+        options: RestoreOptions | None = None,
+    ) -> RestoreReport:
+        """Restores ``step`` (default: the latest) from ``checkpointer`` onto the current devices.
+
+        The read goes straight into the shardings inferred for the current
+        mesh, whatever the device and process counts were at save time. A
+        restore that fails leaves the live objects as they were, unless
+        ``free_live`` asked to free them first (to keep the peak low).
+
+        Args:
+          checkpointer: a :class:`Checkpointer`, or a directory: nnx_shard's own,
+            or one written by plain Orbax (``CheckpointManager`` items,
+            ``StandardCheckpointer``, ``ocp.v1.save_pytree``), whose item that
+            fits each object is read (see :mod:`nnx_shard._checkpoint._plain`).
+          step: the step (default: the latest).
+          items: restore only these objects (default: all the hooks own); the
+            checkpoint's other items are not read. Within an item the structure
+            must match exactly.
+          item: for a plain Orbax checkpoint, the name of its item to read.
+          ema_as_model: load the checkpoint's EMA parameters into the model's
+            parameters (the model's other state, such as batch statistics and
+            RNG counters, from the checkpoint's model); the EMA object itself
+            is not restored.
+          free_live: free the live arrays being restored before the read, so the
+            restored state is never resident beside them.
+          max_host_bytes: bound the host memory the read holds at once (Orbax's
+            restore byte limiter); with ``free_live`` the peak stays near the
+            state's own size.
+          frozen: an nnx filter of model parameters the checkpoint does not hold
+            (saved without them): they keep their live values.
+          options: all of the above as one :class:`RestoreOptions` (then they are not given).
+        """
+        opts = options or RestoreOptions(items, item, ema_as_model, free_live, max_host_bytes, frozen)
+        return self._restore(checkpointer, step, opts)
+
+    def _restore_target(self, names: list[str], opts: RestoreOptions) -> tuple[Any, Any, Any, Any]:
+        """The live states, what to read into, the structure the checkpoint must have, and the frozen part kept."""
+        states = self.states()
+        target = {k: abstract_target(states[k], self.shardings[k]) for k in names}
+        kept = None
+        if opts.frozen is not None and "model" in target:  # the frozen part stays as it is, never read
+            kept, states["model"] = nnx.split_state(states["model"], opts.frozen, ...)
+            target["model"] = nnx.split_state(target["model"], opts.frozen, ...)[1]
+        expected = dict(target)
+        if opts.ema_as_model:  # read the model's parameters from the EMA, its other state from the model
+            params, rest = nnx.split_state(target["model"], nnx.Param, ...)
+            if jax.tree.leaves(rest):
+                target["model"] = rest
+            else:  # a model of parameters only: nothing of it is read (an empty item is not a tree Orbax reads)
+                del target["model"]
+            target["ema"] = expected["ema"] = nnx.State({"params": params})
+        return states, target, expected, kept
+
+    def _restore(self, checkpointer: Any, step: int | None, opts: RestoreOptions) -> RestoreReport:
+        self._require("live objects to restore into")
+        item, ema_as_model, free_live, max_host_bytes = (
+            opts.item,
+            opts.ema_as_model,
+            opts.free_live,
+            opts.max_host_bytes,
+        )
+        names = restore_names(list(self._objects), opts.items, ema_as_model)
+        states, target, expected, kept = self._restore_target(names, opts)
+        with quiet():  # one quiet block for the whole restore: the reads inside share its cleanup
+            plain = plain_source(checkpointer, item, ema_as_model)
+            if plain is not None:  # checked before anything live is freed
+                plain.prepare(step, target, item)
+            else:
+                checkpointer = (
+                    checkpointer if isinstance(checkpointer, Checkpointer) else Checkpointer(checkpointer)
+                )
+                step = checkpointer.validate(step, expected, items=sorted(expected))
+                if free_live:
+                    checkpointer.metadata(step)  # readable, before anything live is freed
+            if free_live:
+                for x in jax.tree.leaves({k: states[k] for k in names}):
+                    if isinstance(x, jax.Array):
+                        x.delete()
+            try:
+                if plain is not None:
+                    restored, saved = plain.read(target, max_host_bytes), {}
+                else:
+                    restored, saved = checkpointer.read(
+                        step, target, partial=True, max_host_bytes=max_host_bytes
+                    )
+            except CheckpointError:
+                if free_live:
+                    logger.error(
+                        "restore of step %s failed after the live state was freed (free_live=True)", step
+                    )
+                raise
+        restored = dict(restored)
+        if kept is not None:
+            restored["model"] = nnx.merge_state(restored["model"], kept)
+        if ema_as_model:
+            params = restored.pop("ema")["params"]
+            restored["model"] = nnx.merge_state(restored["model"], params) if "model" in restored else params
+        check_placed(restored, {k: self.shardings[k] for k in restored})
+        self.update(restored)  # Orbax's arrays own their buffers: donatable (tested)
+        barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)
+        partial = plain is None and (sorted(restored) != checkpointer.items(step) or ema_as_model)
+        report = RestoreReport(
+            step=plain.step if plain is not None else step,
+            saved=saved,
+            devices=int(self._mesh.devices.size),
+            processes=jax.process_count(),
+            mesh=describe_mesh(self._mesh),
+            items=tuple(sorted(restored)) if partial else None,
+            ema_as_model=ema_as_model,
+            plain=plain.describe() if plain is not None else None,
+        )
+        logger.info("%s", report)
+        return report
+
+    def on_mesh_change(self, mesh: Mesh, *, donate: bool = True) -> ResizeReport:
+        """Moves the live objects onto ``mesh``: the shardings the strategy infers there.
+
+        Model, optimizer and EMA (RNG state and statistics included) move with
+        :func:`nnx_shard.reshard`: one program per step over the old and new
+        devices sends each piece a new device lacks once, nothing goes through
+        the host. The objects the user holds are the live ones afterwards, and
+        with ``donate`` the old layout's buffers are freed as each step
+        completes. With several processes, every process calls it together
+        (each keeping at least one device); it ends with a named barrier.
+
+        Returns:
+          A :class:`ResizeReport`, e.g. ``moved from 8 devices (fsdp=8) to 4
+          devices (fsdp=4): 1.12 GiB moved of 1.12 GiB ideal, peak 24.0 MiB per
+          device, 0.40 s``.
+
+        >>> import optax
+        >>> from nnx_shard import create_mesh
+        >>> hooks = ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+        >>> objects = hooks.on_init(lambda: {"model": nnx.Linear(4, 64, rngs=nnx.Rngs(0))})
+        >>> report = hooks.on_mesh_change(create_mesh((4,), ("fsdp",), devices=jax.devices()[:4]))
+        >>> str(report).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
+        True
+        >>> objects["model"].kernel.get_value().sharding.spec, hooks.mesh.devices.size
+        (P(None, 'fsdp'), 4)
+        """
+        self._require("live objects to move")
+        barrier_sync("nnx_shard/on_mesh_change/start", timeout=self.barrier_timeout)
+        moved, plan, report = move(
+            self.states(), self._strategy, self._mesh, mesh, strict=self._strict, donate=donate
+        )
+        self._mesh, self._plan = mesh, plan
+        self.update(moved)
+        self.sync()  # the objects the user holds now hold the moved arrays
+        barrier_sync("nnx_shard/on_mesh_change", timeout=self.barrier_timeout)
+        logger.info("%s", report)
+        return report
+
+    def save(
+        self, checkpointer: Checkpointer, step: int, *, metrics: Mapping[str, float] | None = None
+    ) -> bool:
+        """Saves the live objects with this mesh and strategy in the metadata."""
+        self._require("live objects to save")
+        return checkpointer.save(
+            step, self.states(), metrics=metrics, mesh=self._mesh, strategy=self._strategy
+        )
+
+
+def _unwrap_values(tree: Any) -> Any:
+    """Orbax's layout without a target keeps each Variable as ``{"value": x}``: take ``x``."""
+    if isinstance(tree, Mapping):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap_values(v) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,150 @@
+"""Batches for the Trainer: where they come from, what they hold, and where a data iterator stopped."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from nnx_shard.errors import BatchStructureError, ConfigError
+
+TOKEN_KEYS = ("tokens", "input_ids", "inputs_ids", "token_ids")
+
+
+class Batches:
+    """A ``step -> batch`` callable or an iterable of batches, read one step at a time.
+
+    An iterator with ``get_state()`` / ``set_state(state)`` (grain's
+    ``DataLoader`` and ``IterDataset`` iterators have them) is resumable: its
+    state goes into every checkpoint and is set on the next iterator before it
+    is read, so a resumed run reads the batches an uninterrupted run would.
+    """
+
+    def __init__(self, data: Callable[[int], Any] | Iterable[Any], resume_state: Any = None):
+        self.callable = data if callable(data) and not hasattr(data, "__iter__") else None
+        self.iterator: Iterator[Any] | None = None if self.callable is not None else iter(data)
+        self.resumed = False
+        if resume_state is not None and self.resumable:
+            self.iterator.set_state(resume_state)
+            self.resumed = True
+
+    @property
+    def resumable(self) -> bool:
+        it = self.iterator
+        return (
+            it is not None
+            and callable(getattr(it, "get_state", None))
+            and callable(getattr(it, "set_state", None))
+        )
+
+    def next(self, step: int) -> Any:
+        """The batch of ``step``; StopIteration when a finite iterable runs out."""
+        if self.callable is not None:
+            return self.callable(step)
+        return next(self.iterator)
+
+    def state(self) -> Any:
+        return self.iterator.get_state() if self.resumable else None
+
+
+def encode_state(state: Any) -> Any:
+    """A data iterator's state as JSON (bytes as base64)."""
+    if isinstance(state, bytes):
+        return {"__bytes__": base64.b64encode(state).decode()}
+    try:
+        json.dumps(state)
+    except TypeError:
+        raise ConfigError(
+            f"the data iterator's get_state() returned {type(state).__name__}, which cannot be saved as "
+            f"JSON; return a dict, list, string or bytes."
+        ) from None
+    return state
+
+
+def decode_state(state: Any) -> Any:
+    if isinstance(state, Mapping) and set(state) == {"__bytes__"}:
+        return base64.b64decode(state["__bytes__"])
+    return state
+
+
+def gather_states(state: Any) -> list[Any]:
+    """Every process's encoded data state, in process order (a list of one with a single process)."""
+    encoded = json.dumps(encode_state(state))
+    if jax.process_count() == 1:
+        return [json.loads(encoded)]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(encoded.encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, lengths, strict=True)]
+
+
+def state_for_this_process(states: list[Any] | None) -> Any:
+    """This process's saved data state; None when there is none or the process count changed."""
+    if not states:
+        return None
+    if len(states) != jax.process_count():
+        return None  # each process read its own shard of the data: the mapping no longer holds
+    return decode_state(states[jax.process_index()])
+
+
+def signature(batch: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A batch's structure and leaf shapes and dtypes: one compiled step per signature."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return treedef, tuple((tuple(np.shape(x)), str(dtype(x))) for x in leaves)
+
+
+def check_structure(first: Any, batch_signature: Any) -> None:
+    """Refuses a batch whose structure (keys, nesting) differs from the first batch's."""
+    if first is not None and first[0] != batch_signature[0]:
+        raise BatchStructureError(
+            f"the batch's structure changed between steps: it was {first[0]}, now {batch_signature[0]}. "
+            f"Give every batch the same keys and nesting (shapes may change: the step recompiles)."
+        )
+
+
+def examples(batch: Any) -> int:
+    """Rows of a (global) batch: the leading dimension of its first leaf."""
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
+
+
+def tokens(batch: Any) -> int | None:
+    """Tokens a host-local batch says it holds: ``num_tokens`` (host data), else the size of ``tokens``/``input_ids``.
+
+    >>> tokens({"input_ids": np.zeros((4, 128))}), tokens({"num_tokens": np.array([100, 28]), "x": 0})
+    (512, 128)
+    """
+    if not isinstance(batch, Mapping):
+        return None
+    if "num_tokens" in batch:
+        count = batch["num_tokens"]
+        return None if isinstance(count, jax.Array) else int(np.sum(count))  # never wait on a device
+    for key in TOKEN_KEYS:
+        if key in batch:
+            return math.prod(np.shape(batch[key]))
+    return None
+
+
+def host_scalars(values: Mapping[str, Any]) -> dict[str, float]:
+    """Metrics on the host as floats; replicated arrays are read from this process's own copy."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            if value.sharding.is_fully_replicated:
+                value = value.addressable_shards[0].data
+            else:
+                from jax.experimental import multihost_utils
+
+                value = multihost_utils.process_allgather(value, tiled=True)
+        out[key] = float(np.asarray(value))
+    return out

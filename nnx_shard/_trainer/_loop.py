@@ -1,0 +1,307 @@
+"""The training loop: steps, logging a step late, eval, saves, hooks, preemption and why the run ended.
+
+The loop is a :class:`TrainingLoop` the Trainer holds. It runs a
+:class:`LoopHost`: the Trainer's public members it uses are listed there,
+and ``step`` (which it advances) and ``last_eval`` are the only ones it
+writes. Why a run stopped, the stop request and the user's hooks are the
+loop's own state.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from nnx_shard._checkpoint._snapshot import SnapshotWriter
+from nnx_shard._trainer import _data, _guard
+from nnx_shard._trainer._observe import compile_seconds
+from nnx_shard._trainer._recovery import RecoveryHost, is_restart, recovery_fields, snapshot, start_snapshots
+from nnx_shard._trainer._watchdog import Watchdog
+
+logger = logging.getLogger("nnx_shard")
+Hook = Callable[[int, dict[str, float], Any], Any]  # (step, metrics, trainer)
+
+
+@runtime_checkable
+class LoopHost(RecoveryHost, Protocol):
+    """What :class:`TrainingLoop` uses of the Trainer it runs (besides :class:`RecoveryHost`'s members)."""
+
+    watchdog: Watchdog
+    last_eval: dict[str, float]
+
+    @property
+    def guard(self) -> dict[str, Any]: ...
+
+    def run_step(self, batch: Any) -> Any: ...
+
+    def global_batch(self, batch: Any) -> Any: ...
+
+    def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]: ...
+
+    def save(self, *, metrics: dict[str, float] | None = None, force: bool = False) -> bool: ...
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def learning_rate_schedule(self) -> Callable[[int], Any] | None: ...
+
+
+class TrainingLoop:
+    """The body of ``Trainer.train``: runs a :class:`LoopHost` from its step to an end step.
+
+    Holds what a run decides by itself: ``stop_reason``, a stop requested by
+    :meth:`request_stop`, a SIGTERM seen, the user's hooks, and the batches
+    being read (their position is saved with each checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self.stop_reason: str | None = None
+        self.hooks: list[tuple[Hook, int]] = []
+        self.batches: _data.Batches | None = None
+        self._stop_request: str | None = None
+        self._preempted = False
+
+    def add_hook(self, fn: Hook, every: int) -> None:
+        self.hooks.append((fn, every))
+
+    def request_stop(self, reason: str) -> None:
+        self._stop_request = reason
+
+    def run(self, host: LoopHost, batches: _data.Batches, eval_data: Any, end: int) -> list[dict[str, float]]:
+        """Runs ``host`` from its step to ``end`` on ``batches``; returns the logged records."""
+        self.batches = batches
+        snapshots = start_snapshots(host)  # refuses to start without the memory they need
+        self.stop_reason, self._stop_request = None, None
+        previous = self._install_sigterm()
+        history: list[dict[str, float]] = []
+        host.observer.start(host.step, end)
+        run = StepLog(host, history)
+        start, spent = time.perf_counter(), dict(host.timings)
+        try:
+            self._steps(host, batches, run, snapshots, eval_data, end)
+            if not run.nonfinite:
+                self._nonfinite_stop(host, run, host.guard, host.step)
+            self.stop_reason = self.stop_reason or "finished"
+            run.flush()
+            self._save_at_end(host, run)
+        finally:
+            self._finish(host, snapshots, run, previous, (start, spent, history))
+        return history
+
+    def _steps(
+        self,
+        host: LoopHost,
+        batches: _data.Batches,
+        run: StepLog,
+        snapshots: SnapshotWriter | None,
+        eval_data: Any,
+        end: int,
+    ) -> None:
+        cfg = host.config
+        first, recovering = True, is_restart()
+        while host.step < end:
+            if not (first and cfg.startup_timeout):  # the first step is part of the startup
+                host.watchdog.arm(f"step {host.step + 1}", cfg.step_timeout, "step_timeout")
+            first = False
+            try:
+                host_batch = batches.next(host.step)
+            except StopIteration:
+                self.stop_reason = "data exhausted"
+                return
+            batch = host.global_batch(host_batch)
+            # the counters after the step before: ready by the time this one is queued
+            counters = host.guard
+            if recovering:  # the first step of a restarted job: timed to the end, then reported
+                metrics = _first_step_recovered(host, batch)
+                recovering = False
+            else:
+                metrics = host.run_step(batch)
+            host.step += 1
+            run.after_dispatch(metrics, _data.examples(batch), _data.tokens(host_batch), end)
+            if self._nonfinite_stop(host, run, counters, host.step - 1) or self._after_step(
+                host, run, eval_data
+            ):
+                return
+            if snapshots is not None and host.step % cfg.snapshot_every == 0:
+                snapshot(host, snapshots, host.step, batches)
+
+    def _save_at_end(self, host: LoopHost, run: StepLog) -> None:
+        cfg = host.config
+        preempted = self.stop_reason == "preempted"
+        stopped_on_nan = run.nonfinite and cfg.on_nonfinite == "stop"  # nothing of it is saved
+        if host.checkpointer is None or not (preempted or cfg.save_at_end) or stopped_on_nan:
+            return
+        if host.lineage.last_saved != host.step:
+            host.watchdog.arm(f"the save of step {host.step}", cfg.save_timeout, "save_timeout")
+            host.save(force=preempted)
+
+    def _install_sigterm(self) -> Any:
+        if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+            return None
+        if jax.distributed.is_initialized():
+            return None  # JAX's preemption notifier owns SIGTERM after distributed init
+        self._preempted = False
+
+        def handler(signum: int, frame: Any) -> None:
+            self._preempted = True
+
+        return signal.signal(signal.SIGTERM, handler)
+
+    def _preemption_requested(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        return self._preempted
+
+    def _finish(
+        self,
+        host: LoopHost,
+        snapshots: SnapshotWriter | None,
+        run: StepLog,
+        previous: Any,
+        started: tuple[float, Any, list],
+    ) -> None:
+        """After a ``train()`` call, however it ended: flush, wait for writes, restore SIGTERM, log the run."""
+        start, spent, history = started
+        host.watchdog.disarm()
+        if (
+            snapshots is not None
+        ):  # a job at its end frees their memory; a failed one keeps them for its restart
+            done = self.stop_reason == "finished" and host.step >= host.config.total_steps
+            snapshots.close(remove=done)
+        run.flush()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if host.checkpointer is not None:
+            host.checkpointer.wait_until_finished()
+        wall = time.perf_counter() - start
+        overhead = sum(v - spent.get(k, 0.0) for k, v in host.timings.items() if k != "train")
+        goodput = round(max(0.0, 1 - overhead / max(wall, 1e-9)), 3)  # the share of wall time in steps
+        last = int(history[-1]["step"]) if history else host.step
+        fields = {"last_step": last, "stop_reason": self.stop_reason, "goodput": goodput}
+        host.observer.event("train", wall, host.step, **fields)
+        host.observer.close()
+
+    def _nonfinite_stop(self, host: LoopHost, run: StepLog, guard: Any, step: int) -> bool:
+        """Ends the run when the counters after ``step`` say so (``config.on_nonfinite``); True ends the loop."""
+        cfg = host.config
+        verdict = _guard.read(guard, step, cfg.on_nonfinite, cfg.max_consecutive_nonfinite)
+        if not verdict.stop:
+            return False
+        self.stop_reason, run.nonfinite = verdict.reason, True
+        if verdict.resume_step is not None:
+            host.step = verdict.resume_step  # the live state is the one before the first bad step
+        logger.error("%s: stopping (config.on_nonfinite=%r)", verdict.reason, cfg.on_nonfinite)
+        return True
+
+    def _after_step(self, host: LoopHost, run: StepLog, eval_data: Any) -> bool:
+        """Eval, saves, hooks and stop checks after a step; True ends the loop."""
+        step, cfg = host.step, host.config
+        evaluate = eval_data is not None and cfg.eval_every and step % cfg.eval_every == 0
+        save = cfg.save_every and step % cfg.save_every == 0
+        hooks = [fn for fn, every in self.hooks if step % every == 0]
+        metrics = run.flush(current=True) if evaluate or save or hooks else None
+        if evaluate:
+            started = time.perf_counter()
+            host.last_eval = host.evaluate(eval_data())
+            host.observer.event("eval", time.perf_counter() - started, step)
+            host.observer.record({"step": step, **host.last_eval})
+            host.on_log(step, dict(host.last_eval))  # the eval metrics (eval_...) of this step, as logged
+            metrics = {**(metrics or {}), **host.last_eval}
+        if save:
+            if self._nonfinite_stop(host, run, host.guard, step):  # never save a step that was not applied
+                return True
+            host.watchdog.arm(f"the save of step {step}", cfg.save_timeout, "save_timeout")
+            host.save(metrics=host.last_eval if evaluate else None)
+        for fn in hooks:
+            fn(step, dict(metrics or {}), host)
+        if self._preemption_requested(step):
+            logger.warning("preemption requested at step %d: saving and stopping", step)
+            self.stop_reason = "preempted"
+            return True
+        if self._stop_request is not None:
+            self.stop_reason = f"stopped: {self._stop_request}"
+            return True
+        return False
+
+
+def _first_step_recovered(host: LoopHost, batch: Any) -> Any:
+    """Runs the first step of a restarted job to completion and logs the ``recovered`` event."""
+    began, before = time.time(), compile_seconds()
+    metrics = jax.block_until_ready(host.run_step(batch))
+    seconds = time.time() - began
+    fields = recovery_fields(host, began, seconds, compile_seconds() - before)
+    if fields is not None:
+        host.observer.event("recovered", seconds, host.step, **fields)
+    return metrics
+
+
+class StepLog:
+    """One ``train()`` call's records: metrics fetched a step late, so the host never waits on the step in flight."""
+
+    def __init__(self, host: LoopHost, history: list[dict[str, float]]):
+        self.host, self.history = host, history
+        self.pending: tuple[int, Any] | None = None
+        self.current: tuple[int, Any] | None = None
+        self.nonfinite = False  # the run stopped on a non-finite step (config.on_nonfinite)
+        self.examples = self.tokens = 0  # dispatched so far in this call
+        self.has_tokens = False
+        self.counts: dict[
+            int, tuple[int, int]
+        ] = {}  # examples and tokens dispatched up to each unlogged step
+        self.since = (time.perf_counter(), host.step, 0, 0)  # the last log: time, step, examples, tokens
+        self.schedule = host.learning_rate_schedule()
+
+    def after_dispatch(self, metrics: Any, examples: int, tokens: int | None, end: int) -> None:
+        t = self.host
+        self.examples += examples
+        if tokens is not None:
+            self.tokens, self.has_tokens = self.tokens + tokens * jax.process_count(), True
+        previous, self.pending = self.pending, None
+        if previous is not None:
+            self._log(*previous)
+        self.current = (t.step, metrics)
+        self.counts[t.step] = (self.examples, self.tokens)
+        if t.step % max(1, t.config.log_every) == 0 or t.step == end:
+            self.pending = self.current
+
+    def flush(self, current: bool = False) -> dict[str, float] | None:
+        """Logs the step waiting to be logged (with ``current``, the latest step in any case).
+
+        Returns its host metrics (None when none waits).
+        """
+        if (
+            current
+            and self.pending is None
+            and self.current is not None
+            and (not self.history or self.history[-1]["step"] != self.current[0])
+        ):
+            self.pending = self.current
+        previous, self.pending = self.pending, None
+        return self._log(*previous) if previous is not None else None
+
+    def _log(self, step: int, metrics: Any) -> dict[str, float]:
+        host = _data.host_scalars(metrics)
+        now = time.perf_counter()
+        examples, tokens = self.counts.get(step, (self.examples, self.tokens))
+        seconds, steps = now - self.since[0], step - self.since[1]
+        record: dict[str, float] = {"step": step, **host}
+        if "learning_rate" not in record and self.schedule is not None:
+            record["learning_rate"] = float(self.schedule(step - 1))
+        if steps > 0 and seconds > 0:  # the steps up to this one, whatever was dispatched after it
+            record["steps_per_s"] = steps / seconds
+            record["examples_per_s"] = (examples - self.since[2]) / seconds
+            if self.has_tokens:
+                record["tokens_per_s"] = (tokens - self.since[3]) / seconds
+        self.since = (now, step, examples, tokens)
+        self.counts = {k: v for k, v in self.counts.items() if k > step}
+        self.history.append(record)
+        self.host.observer.record(record)
+        self.host.on_log(step, {k: v for k, v in record.items() if k != "step"})
+        return host

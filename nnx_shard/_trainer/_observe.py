@@ -1,0 +1,193 @@
+"""What a training run shows: a progress bar on a terminal, plain lines elsewhere, metrics.jsonl, TensorBoard, events."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from nnx_shard._base._caches import on_clear
+from nnx_shard._base._paths import flatten_with_paths, is_variable
+
+logger = logging.getLogger("nnx_shard")
+
+_COMPILE_SECONDS = [0.0]
+_LISTENING: list[Any] = [False, None]  # listening, and the listener (to remove it)
+
+
+def compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process since the first Trainer (its monitoring events)."""
+    if not _LISTENING[0]:
+        _LISTENING[0] = True
+
+        def listen(name: str, seconds: float, **kwargs: Any) -> None:
+            if name.startswith("/jax/core/compile/"):
+                _COMPILE_SECONDS[0] += seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        _LISTENING[1] = listen
+    return _COMPILE_SECONDS[0]
+
+
+@on_clear
+def stop_listening() -> None:
+    """Removes the compile-event listener (``ns.clear_caches()``); the next Trainer adds it again."""
+    if _LISTENING[0]:
+        jax.monitoring.unregister_event_duration_listener(_LISTENING[1])
+        _LISTENING[0], _LISTENING[1] = False, None
+
+
+def injected_learning_rate(optimizer: nnx.Optimizer) -> Any:
+    """The learning rate an ``optax.inject_hyperparams`` transform holds in the optimizer state, if any."""
+    for path, leaf in flatten_with_paths(optimizer.opt_state)[0]:
+        if "hyperparams" in path.split("/") and path.endswith("learning_rate"):
+            return leaf.get_value() if is_variable(leaf) else leaf
+    return None
+
+
+# Shown first, in this order, with these names; other metrics follow.
+_FIRST = (("loss", "loss"), ("learning_rate", "lr"), ("grad_norm", "grad_norm"))
+
+
+def _number(v: float) -> str:
+    if v != v or v in (float("inf"), float("-inf")):
+        return str(v)
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+        return f"{v:.3e}"
+    return f"{v:.4f}"
+
+
+def _rate(v: float, unit: str) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= scale:
+            return f"{v / scale:.1f}{suffix} {unit}/s"
+    return f"{v:.1f} {unit}/s"
+
+
+def format_line(record: dict[str, float], end: int | None = None) -> str:
+    """``step 100/2000 | loss 2.3456 | lr 3.000e-04 | grad_norm 1.2340 | 12.3 steps/s | ...``.
+
+    >>> format_line({"step": 10, "loss": 0.5, "steps_per_s": 4.0, "examples_per_s": 512.0}, 100)
+    'step 10/100 | loss 0.5000 | 4.0 steps/s | 512.0 examples/s'
+    """
+    parts = [f"step {int(record['step'])}" + (f"/{end}" if end else "")]
+    shown = {"step", "steps_per_s", "examples_per_s", "tokens_per_s"}
+    for key, name in _FIRST:
+        if key in record:
+            parts.append(f"{name} {_number(record[key])}")
+            shown.add(key)
+    parts += [
+        f"{k} {_number(v)}" for k, v in record.items() if k not in shown and isinstance(v, (int, float))
+    ]
+    for key, unit in (("steps_per_s", "steps"), ("examples_per_s", "examples"), ("tokens_per_s", "tokens")):
+        if key in record:
+            parts.append(_rate(record[key], unit))
+    return " | ".join(parts)
+
+
+class Observer:
+    """Sends records and events to the terminal or stdout, ``metrics.jsonl`` and TensorBoard (process 0).
+
+    Args:
+      workdir: where ``metrics.jsonl`` and ``tensorboard/`` go (None: nowhere).
+      progress: ``"auto"`` (a bar when stderr is a terminal, lines otherwise),
+        ``"bar"``, ``"lines"`` or ``"off"``.
+      tensorboard: write TensorBoard events when tensorboardX is installed.
+    """
+
+    def __init__(self, workdir: str | None, progress: str, tensorboard: bool = True):
+        self.main = jax.process_index() == 0
+        local = workdir and "://" not in workdir  # metrics.jsonl is appended to: kept local for URIs
+        self.metrics_path = (Path(workdir) if local else Path(".")) / "metrics.jsonl" if workdir else None
+        self.progress = progress
+        self.use_tensorboard = tensorboard
+        self._bar: Any = None
+        self._writer: Any = None
+        self._end: int | None = None
+        self.timings: collections.Counter[str] = collections.Counter()  # seconds per event name
+
+    def start(self, step: int, end: int) -> None:
+        """Opens the bar (on a terminal) for a ``train()`` call from ``step`` to ``end``."""
+        self._end = end
+        mode = "bar" if self.progress == "on" else self.progress
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode if self.main else "off"
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=end, initial=step, desc="train", dynamic_ncols=True)
+
+    def record(self, record: dict[str, float]) -> None:
+        """A logged step: the bar's postfix or one stdout line, a JSON line, TensorBoard scalars."""
+        if not self.main:
+            return
+        if self._bar is not None:
+            self._bar.update(int(record["step"]) - self._bar.n)
+            self._bar.set_postfix({k: round(v, 4) for k, v in record.items() if k != "step"}, refresh=False)
+        elif getattr(self, "mode", "lines") == "lines":
+            print(format_line(record, self._end), flush=True)
+        self._append({"time": time.time(), **record})
+        writer = self._tensorboard()
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(
+                        key, value, int(record["step"])
+                    )  # written out every 10 s and at the end
+
+    def event(self, name: str, seconds: float, step: int, **fields: Any) -> None:
+        """Where wall time went (compile, save, restore, resize, eval): a line, a JSON line, a scalar.
+
+        Its seconds add up in :attr:`timings` on every process.
+        """
+        self.timings[name] += seconds
+        logger.info("%s took %.3f s at step %d %s", name, seconds, step, fields or "")
+        if not self.main:
+            return
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        text = f"event {name}: {seconds:.3f} s at step {step}{extra}"
+        if self._bar is not None:
+            self._bar.write(text)
+        elif getattr(self, "mode", "lines") == "lines":
+            print(text, flush=True)
+        self._append(
+            {"time": time.time(), "event": name, "seconds": round(seconds, 6), "step": step, **fields}
+        )
+        writer = self._tensorboard()
+        if writer is not None:
+            writer.add_scalar(f"time/{name}_s", seconds, step)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.metrics_path is None:
+            return
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def _tensorboard(self) -> Any:
+        if self._writer is None:
+            self._writer = False
+            if self.use_tensorboard and self.metrics_path is not None and self.main:
+                try:
+                    from tensorboardX import SummaryWriter
+                except ImportError:
+                    return None
+                self._writer = SummaryWriter(str(self.metrics_path.parent / "tensorboard"), flush_secs=10)
+        return self._writer or None
+
+    def close(self) -> None:
+        """Closes the bar and flushes TensorBoard (the next ``train()`` opens a new event file)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._writer:
+            self._writer.close()
+        self._writer = None

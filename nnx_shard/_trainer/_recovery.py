@@ -1,0 +1,176 @@
+"""The ``recovered`` event of a job restarted by ``nnx-shard launch``: what it resumed from and where the time went."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import ml_collections
+
+from nnx_shard._checkpoint._checkpointer import Checkpointer
+from nnx_shard._checkpoint._snapshot import SnapshotWriter, default_dir, folder, own_bytes
+from nnx_shard._checkpoint._snapshot_read import Restored, restore
+from nnx_shard._cluster._distributed import FAILED_AT, PREVIOUS_PROCESSES, STOPPED_AT, launch_info
+from nnx_shard._live._hooks import ShardingHooks
+from nnx_shard._trainer import _data
+from nnx_shard._trainer._lineage import Lineage
+from nnx_shard._trainer._observe import Observer
+
+logger = logging.getLogger("nnx_shard")
+
+
+class RecoveryHost(Protocol):
+    """What recovery and snapshots use of the Trainer: its public members; ``step`` is set on a resume."""
+
+    step: int
+    config: ml_collections.ConfigDict
+    workdir: str | None
+    hooks: ShardingHooks
+    checkpointer: Checkpointer | None
+    lineage: Lineage
+    observer: Observer
+
+    @property
+    def timings(self) -> dict[str, float]: ...
+
+    @property
+    def restored_step(self) -> int | None: ...
+
+    def restore_and_reshard(self, step: int | None = None) -> Any: ...
+
+
+def _env_time(name: str) -> float | None:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def recovery_fields(
+    trainer: RecoveryHost, began: float, first_step_s: float, compile_s: float
+) -> dict[str, Any] | None:
+    """The ``recovered`` event's fields, or None when this run is not a restart.
+
+    ``source`` is ``"snapshot"`` or ``"checkpoint"``; the phases are ``detection_s`` (the death
+    seen, the other processes stopped), ``relaunch_s`` (from then to the
+    first step, less the restore: start, joining, creating the state),
+    ``read_reshard_s``, ``compile_s`` and ``first_step_s`` (the first step
+    without its compile). ``began`` is when the first step began (epoch).
+    """
+    info = launch_info()
+    if info is None or info.restart == 0:
+        return None
+    failed, stopped = _env_time(FAILED_AT), _env_time(STOPPED_AT)
+    read = trainer.timings.get("restore", 0.0)
+    return {
+        "source": trainer.lineage.restored_from,
+        "restored_step": trainer.restored_step,
+        "restart": info.restart,
+        "processes_before": int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0),
+        "processes_after": jax.process_count(),
+        "detection_s": None if failed is None or stopped is None else round(stopped - failed, 3),
+        "relaunch_s": None if stopped is None else round(began - stopped - read, 3),
+        "read_reshard_s": round(read, 3),
+        "compile_s": round(compile_s, 3),
+        "first_step_s": round(max(first_step_s - compile_s, 0.0), 3),
+    }
+
+
+def is_restart() -> bool:
+    """Whether this process is part of a job that ``nnx-shard launch`` restarted."""
+    info = launch_info()
+    return info is not None and info.restart > 0
+
+
+def _root(trainer: RecoveryHost) -> Path:
+    """``config.snapshot_dir``, or a folder of this workdir's own under ``/dev/shm``."""
+    job = hashlib.sha256(os.path.abspath(trainer.workdir or "nnx_shard").encode()).hexdigest()[:12]
+    return Path(trainer.config.snapshot_dir or default_dir(job))
+
+
+def _previous_folder(trainer: RecoveryHost) -> Path | None:
+    """This process's snapshot folder in the run before this restart (None at first, or for a new process)."""
+    info = launch_info()
+    if info is None or info.restart == 0 or info.previous_id is None:
+        return None
+    return folder(_root(trainer), info.restart - 1, info.previous_id)
+
+
+def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
+    """On a restart with snapshots on: restores the newest snapshot state newer than every checkpoint.
+
+    A collective. Returns what was restored (its ``data_states`` are the
+    caller's to use), or None (and nothing changed) when there is none, or
+    when a piece does not read or verify: the caller restores a checkpoint instead.
+    """
+    info = launch_info()
+    if info is None or info.restart == 0 or not trainer.config.snapshot_every:
+        return None
+    began = time.perf_counter()
+    steps = trainer.checkpointer.all_steps() if trainer.checkpointer is not None else []
+    previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
+    # a snapshot of the newest checkpoint's step is preferred: it is read from memory
+    got = restore(
+        _previous_folder(trainer), previous, trainer.hooks.states(), after=max(steps, default=0) - 1
+    )
+    if got is None:
+        return None
+    trainer.hooks.update(got.states)
+    trainer.step = got.step
+    trainer.lineage.restored_snapshot(got.step)
+    seconds = time.perf_counter() - began
+    trainer.observer.event("restore", seconds, got.step, source="snapshot", processes_before=previous)
+    return got
+
+
+def resume_auto(trainer: RecoveryHost) -> Restored | None:
+    """``resume="auto"``: a restart's snapshots when newer than every checkpoint (returned: their
+    ``data_states`` are the caller's), else the newest checkpoint that reads and verifies (None)."""
+    got = resume_from_snapshots(trainer)
+    if got is None:
+        trainer.lineage.resume_newest(trainer.restore_and_reshard, after=trainer.step)
+    return got
+
+
+def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
+    """The snapshot writer of ``config.snapshot_every`` (None when off), its memory checked and logged.
+
+    Raises:
+      ConfigError: the snapshot folder has less free space than the kept snapshots need.
+    """
+    cfg = trainer.config
+    if not cfg.snapshot_every:
+        return None
+    info = launch_info()
+    root = _root(trainer)
+    discard = []
+    if info is not None and info.restart > 0:  # its own, and a lost process's on the same host
+        before = [info.previous_id] if info.previous_id is not None else []
+        discard = [folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
+    writer = SnapshotWriter(root, keep=2, run=None if info is None else info.restart, discard=discard)
+    own = own_bytes(trainer.hooks.states())
+    need = writer.check_space(own)
+    logger.info(
+        "snapshots every %d steps in %s: %.1f MiB of host memory here (own and a peer's shards, 2 kept)",
+        cfg.snapshot_every,
+        writer.folder,
+        need / 2**20,
+    )
+    return writer
+
+
+def snapshot(trainer: RecoveryHost, writer: SnapshotWriter, step: int, batches: _data.Batches | None) -> None:
+    """Writes the snapshot of ``step`` (a collective: every process at the same step) and logs it as an event.
+
+    The position of ``batches`` goes with it when they can resume.
+    """
+    began = time.perf_counter()
+    data = _data.encode_state(batches.state()) if batches is not None and batches.resumable else None
+    writer.write(step, trainer.hooks.states(), data)
+    own, peer = writer.last_bytes
+    trainer.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)

@@ -1,0 +1,1 @@
+"""Pretrained weights in and out: safetensors loads and saves, key-map transforms, LoRA and PEFT."""

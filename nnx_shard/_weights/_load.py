@@ -1,0 +1,264 @@
+"""Pretrained safetensors weights streamed into a live sharded NNX model: each process reads only its shards' bytes.
+
+A key map is an ordered list of ``(regex over file tensor names, target,
+transform)`` rules, first match wins, like the sharding rules. The target is
+a path template using the regex's groups (``layers/\\1/mlp/up/kernel``); one
+ending in ``[\\1]`` (or ``[\\1, \\2]``) fills those indices of a stacked
+leaf's leading axes. A rule may give a list of ``(target, transform)`` pairs
+instead (``split(0, 3, i)`` takes one third of a fused qkv tensor each).
+Every leaf is rebuilt with ``jax.make_array_from_callback`` on its own
+sharding: a device's callback reads, through ``safetensors.safe_open``, only
+the part of each file tensor under its shard (see ``_weight_transforms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnx_shard._weights._keys import Rule, key_rules, mismatches, model_leaves, resolve_files, targets_of
+from nnx_shard._weights._peft import is_peft_folder, load_peft_adapters
+from nnx_shard._weights._transforms import Box, Op, apply, full_ops, source_box
+from nnx_shard.errors import WeightsMismatchError
+from nnx_shard.key_maps import resolve_key_map
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_safetensors` did.
+
+    ``bytes_read`` is what this process read from the files; ``bytes_needed``
+    what its devices hold of the loaded leaves (in the files' dtypes): equal
+    when no byte is read twice.
+
+    >>> print(LoadReport(3, 2_000_000, 2_000_000, 0.5, ("cast 1 tensor",)))
+    loaded 3 tensors: 2.0 MB read of 2.0 MB needed in 0.500 s (0.00 GB/s); cast 1 tensor
+    """
+
+    tensors: int
+    bytes_read: int
+    bytes_needed: int
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        text = (
+            f"loaded {self.tensors} tensors: {self.bytes_read / 1e6:.1f} MB read of "
+            f"{self.bytes_needed / 1e6:.1f} MB needed in {self.seconds:.3f} s ({self.gb_per_s:.2f} GB/s)"
+        )
+        return text + "".join(f"; {n}" for n in self.notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+    file: str
+    name: str
+    index: tuple[int, ...]  # of a stacked leaf's leading axes
+    ops: tuple[Op, ...]
+    file_shape: tuple[int, ...]
+
+
+def _required(variable: Any) -> bool:
+    """Pretrained files fill parameters and batch statistics; LoRA adapters and RNG state stay as created."""
+    return isinstance(variable, (nnx.Param, nnx.BatchStat)) and not isinstance(variable, nnx.LoRAParam)
+
+
+def plan_fills(
+    headers: dict[str, dict[str, tuple[int, ...]]],
+    leaves: dict[str, Any],
+    key_map: Sequence[Rule],
+    skip: Sequence[str],
+    ignore: Sequence[str],
+    strict: bool,
+) -> tuple[dict[str, list[_Fill]], list[str]]:
+    """``{leaf path: fills}`` and notes; WeightsMismatchError listing every problem before anything is written."""
+    rules = key_rules(key_map)
+    fills: dict[str, list[_Fill]] = {}
+    unmapped, problems, ignored = [], [], 0
+    for file, tensors in headers.items():
+        for name, shape in tensors.items():
+            match = next(((m, outs) for regex, outs in rules if (m := regex.fullmatch(name))), None)
+            if match is None:
+                if any(re.fullmatch(p, name) for p in ignore):
+                    ignored += 1
+                else:
+                    unmapped.append(f"{name} {tuple(shape)}")
+                continue
+            for target, index, ops in targets_of(*match):
+                if target not in leaves:
+                    problems.append(f"{name} {tuple(shape)} -> {target}: the model has no such leaf")
+                    continue
+                full = tuple(leaves[target].get_value().shape)
+                try:
+                    done = full_ops(ops, shape, full[len(index) :])
+                except WeightsMismatchError as e:
+                    problems.append(f"{name} -> {target}{list(index) if index else ''} {full}: {e}")
+                    continue
+                if any(not 0 <= i < d for i, d in zip(index, full, strict=False)):
+                    problems.append(f"{name} -> {target}{list(index)}: index outside {full}")
+                    continue
+                fills.setdefault(target, []).append(_Fill(file, name, index, done, tuple(shape)))
+    unfilled = []
+    for path, v in leaves.items():
+        if not _required(v) or any(re.fullmatch(p, path) for p in skip):
+            continue
+        got = fills.get(path, [])
+        depth = len(got[0].index) if got else 0
+        need = math.prod(v.get_value().shape[:depth]) if depth else 1
+        if len({f.index for f in got}) < need:
+            unfilled.append(
+                f"{path} {tuple(v.get_value().shape)}" + (f" ({len(got)} of {need} filled)" if got else "")
+            )
+    if strict and (unmapped or unfilled or problems):
+        text = mismatches(
+            [
+                ("file tensors no key map rule maps (add a rule, or an ignore= pattern)", unmapped),
+                ("model parameters no file tensor fills (add a rule, or a skip= pattern)", unfilled),
+                ("tensors that do not fit their target", problems),
+            ]
+        )
+        raise WeightsMismatchError(
+            "the pretrained weights do not fit the model; nothing was written. " + text
+        )
+    notes = [f"{ignored} file tensors ignored"] if ignored else []
+    lora = sum(isinstance(v, nnx.LoRAParam) for v in leaves.values())
+    if lora:
+        notes.append(f"{lora} LoRA parameters left as created")
+    return fills, notes
+
+
+def _box(index: Any, shape: tuple[int, ...]) -> Box:
+    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(index, shape, strict=True))
+
+
+def load_safetensors(
+    model: Any,
+    files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    key_map: Sequence[Rule] | None = None,
+    *,
+    skip: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+    strict: bool = True,
+) -> LoadReport:
+    """Writes pretrained tensors into a live sharded NNX module (or state) in place, keeping every sharding.
+
+    Args:
+      model: an ``nnx.Module`` (or ``nnx.State``) already placed, e.g. by
+        :func:`nnx_shard.create_sharded` or a Trainer.
+      files: a path, a glob, a list, or a folder with ``model.safetensors.index.json``.
+      key_map: ordered ``(regex over file tensor names, target path template, transform)``
+        rules; the first that matches a name wins. Without it, the map shipped for
+        the folder's ``config.json`` architecture, or for the model's class
+        (google-tunix's Llama 3, Qwen 2 and 3: :mod:`nnx_shard.key_maps`), named in
+        the report. A PEFT folder (``adapter_config.json``) loads into the
+        model's LoRA adapters (flax's or qwix's) through the same map. The transform (optional) chains
+        ``T``, ``transpose(...)``, ``reshape(...)`` and ``split(axis, n, i)`` with
+        ``|``; a tensor whose element count then matches its target is reshaped to it.
+      skip: regexes of model leaves that no file fills on purpose.
+      ignore: regexes of file tensors to leave out.
+      strict: with False, mismatches are left out instead of raising.
+
+    Returns:
+      A :class:`LoadReport`.
+
+    Raises:
+      WeightsMismatchError: file tensors no rule maps, parameters nothing fills, or
+        shapes that do not fit, all listed, before any value is written.
+
+    >>> import tempfile, numpy as np, jax, nnx_shard as ns
+    >>> from flax import nnx
+    >>> from safetensors.numpy import save_file
+    >>> folder = tempfile.mkdtemp()
+    >>> w = np.arange(6, dtype=np.float32).reshape(3, 2)  # (out, in), as PyTorch stores it
+    >>> save_file({"fc.weight": w, "fc.bias": np.ones(3, np.float32)}, f"{folder}/model.safetensors")
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> report = ns.load_safetensors(model, folder, [(r"fc\\.weight", "kernel", "T"), (r"fc\\.bias", "bias")])
+    >>> np.asarray(model.kernel.get_value()).tolist(), report.tensors
+    ([[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]], 2)
+    """
+    from safetensors import SafetensorError, safe_open
+
+    start = time.perf_counter()
+    key_map, chosen = resolve_key_map(key_map, model, files)
+    if is_peft_folder(files):
+        count, peft_notes = load_peft_adapters(model, files, key_map)
+        seconds = time.perf_counter() - start
+        return LoadReport(
+            count, 0, 0, seconds, tuple(["PEFT adapters", *([chosen] if chosen else []), *peft_notes])
+        )
+    paths = resolve_files(files)
+    leaves = model_leaves(model)
+    counts = [0, 0]  # bytes read, bytes the shards need (in the files' dtypes)
+    casts: set[str] = set()
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        headers: dict[str, dict[str, tuple[int, ...]]] = {}
+        for p in paths:
+            try:
+                handles[p] = stack.enter_context(safe_open(p, framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise WeightsMismatchError(f"{p} is not a readable safetensors file: {e}") from e
+            headers[p] = {k: tuple(handles[p].get_slice(k).get_shape()) for k in handles[p].keys()}
+        fills, notes = plan_fills(headers, leaves, key_map, skip, ignore, strict)
+        for path, group in fills.items():
+            x = leaves[path].get_value()
+            cache: dict[Box, np.ndarray] = {}
+
+            def shard(index: Any, x: Any = x, group: list[_Fill] = group, cache: dict = cache) -> np.ndarray:
+                box = _box(index, x.shape)
+                if box not in cache:
+                    cache[box] = _fill_box(box, x, group, handles, counts, casts)
+                return cache[box]
+
+            # in place, leaf by leaf: the old value is freed before the next leaf is read
+            leaves[path].set_value(jax.make_array_from_callback(x.shape, x.sharding, shard))
+        needed = counts[1]
+    if casts:
+        notes.append("cast " + ", ".join(sorted(casts)))
+    if chosen:
+        notes.insert(0, chosen)
+    tensors = sum(len(g) for g in fills.values())
+    return LoadReport(tensors, counts[0], needed, time.perf_counter() - start, tuple(notes))
+
+
+def _fill_box(
+    box: Box, x: Any, group: list[_Fill], handles: dict, counts: list[int], casts: set
+) -> np.ndarray:
+    """The block ``box`` of leaf ``x`` from the file tensors that fill it, each read only where it overlaps."""
+    out = None  # allocated only when several tensors fill the block
+    for fill in group:
+        depth = len(fill.index)
+        if any(not lo <= i < hi for i, (lo, hi) in zip(fill.index, box, strict=False)):
+            continue
+        want = box[depth:]
+        src = source_box(fill.ops, fill.file_shape, want)
+        data = handles[fill.file].get_slice(fill.name)[tuple(slice(lo, hi) for lo, hi in src)]
+        piece = apply(fill.ops, fill.file_shape, np.asarray(data), src, want)
+        counts[0] += data.nbytes
+        counts[1] += piece.size * data.itemsize
+        if piece.dtype != x.dtype:
+            casts.add(f"{piece.dtype} -> {x.dtype}")
+        if not fill.index and len(group) == 1:  # the whole block: no copy into ``out``
+            return np.ascontiguousarray(piece.astype(x.dtype, copy=False))
+        if out is None:
+            out = np.empty([hi - lo for lo, hi in box], x.dtype)
+        out[tuple(i - lo for i, (lo, _) in zip(fill.index, box, strict=False))] = piece.astype(
+            x.dtype, copy=False
+        )
+    if out is None:
+        raise WeightsMismatchError(f"no file tensor fills the block {box} of a {x.shape} leaf")
+    return out
