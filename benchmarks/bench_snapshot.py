@@ -20,7 +20,7 @@ simulate_devices(8)
 import jax  # noqa: E402
 from bench_step import quiet_trainer  # noqa: E402
 
-from nnx_shard._checkpoint._snapshot import own_bytes  # noqa: E402
+from nnx_shard._checkpoint._snapshot import snapshot_own_bytes  # noqa: E402
 
 
 def build(width, depth, rows, every):
@@ -41,7 +41,7 @@ def main() -> None:
             jax.block_until_ready(trainer.states)
             times[every].append((time.perf_counter() - t) / steps)
     ms = {every: statistics.median(t) * 1e3 for every, t in times.items()}
-    own = own_bytes(built[10][0].states)
+    own = snapshot_own_bytes(built[10][0].states)
     result = {
         "benchmark": "bench_snapshot",
         "machine": machine(),

@@ -11,29 +11,39 @@ Every exception is also under :mod:`nnx_shard.errors`. The seeds' API
 their new home.
 """
 
-# _versions first: a jax/flax pair that cannot import is named before anything else imports flax
+# _base's face checks the jax/flax pair first: a pair that cannot import is named before flax is imported
 from nnx_shard import errors, key_maps
-from nnx_shard._base import _versions  # noqa: F401
-from nnx_shard._base._caches import clear_caches
-from nnx_shard._base._format import format_bytes
-from nnx_shard._base._mesh import (
+from nnx_shard._base import (
+    Leaf,
     calculate_host_mesh_shape,
+    clear_caches,
     create_mesh,
     describe_mesh,
+    flatten_state,
+    format_bytes,
     mesh_from_string,
     parse_mesh_dims,
 )
-from nnx_shard._base._paths import Leaf, flatten_state
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._checkpoint._format import RestoreOptions, RestoreReport, abstract_target
-from nnx_shard._cluster._distributed import LaunchInfo, initialize_distributed, launch_info
-from nnx_shard._cluster._launch import launch
-from nnx_shard._cluster._multihost import barrier_sync, data_sharding, host_local_to_global
-from nnx_shard._cluster._tpu import CompileReport, tpu_devices
-from nnx_shard._live._hooks import ShardingHooks
-from nnx_shard._live._placement import create_sharded, place_like_target, sharded_init_fn
-from nnx_shard._live._resize import ResizeReport
-from nnx_shard._live._restore import restore_and_reshard
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, abstract_target
+from nnx_shard._cluster import (
+    CompileReport,
+    LaunchInfo,
+    barrier_sync,
+    data_sharding,
+    host_local_to_global,
+    initialize_distributed,
+    launch,
+    launch_info,
+    tpu_devices,
+)
+from nnx_shard._live import (
+    ResizeReport,
+    ShardingHooks,
+    create_sharded,
+    place_like_target,
+    restore_and_reshard,
+    sharded_init_fn,
+)
 from nnx_shard._reshard import (
     LeafReshard,
     ReshardPlan,
@@ -43,17 +53,27 @@ from nnx_shard._reshard import (
     reshard,
     reshard_with_intermediate_sharding,
 )
-from nnx_shard._sharding._explicit import auto_axes
-from nnx_shard._sharding._inference import infer_sharding, plan_sharding
-from nnx_shard._sharding._logical import annotated, logical_to_mesh
-from nnx_shard._sharding._parser import parse_tactic, register_tactic, unregister_tactic
-from nnx_shard._sharding._plan import LeafPlacement, ShardingPlan
-from nnx_shard._sharding._tactics import Tactic, fsdp, replicate, shard_dim, spec, stacked
+from nnx_shard._sharding import (
+    LeafPlacement,
+    ShardingPlan,
+    Tactic,
+    annotated,
+    auto_axes,
+    fsdp,
+    infer_sharding,
+    logical_to_mesh,
+    parse_tactic,
+    plan_sharding,
+    register_tactic,
+    replicate,
+    shard_dim,
+    spec,
+    stacked,
+    unregister_tactic,
+)
 from nnx_shard._trainer import Trainer, default_config
 from nnx_shard._version import __version__
-from nnx_shard._weights._load import LoadReport, load_safetensors
-from nnx_shard._weights._peft import save_peft_adapters
-from nnx_shard._weights._save import save_safetensors
+from nnx_shard._weights import LoadReport, load_safetensors, save_peft_adapters, save_safetensors
 from nnx_shard.errors import *  # noqa: F403  (every exception and warning, also under ns.errors)
 from nnx_shard.errors import __all__ as _ERRORS
 

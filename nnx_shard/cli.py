@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nnx_shard._cluster._launch import launch
+from nnx_shard._cluster import launch
 from nnx_shard.errors import CLIError, NnxShardError
 
 DESCRIPTION = """\
@@ -182,15 +182,15 @@ def _topology_devices(args: argparse.Namespace) -> list[Any] | None:
     """The devices of ``--topology`` (compile-only), or None for this machine's."""
     if not args.topology:
         return None
-    from nnx_shard._cluster._tpu import tpu_devices
+    from nnx_shard._cluster import tpu_devices
 
     return tpu_devices(args.topology, slices=args.slices)
 
 
 def _chip_line(plan: Any, mesh: Any) -> str:
     """Each chip's share of the state against its HBM."""
-    from nnx_shard._base._format import format_bytes
-    from nnx_shard._cluster._tpu import hbm_bytes
+    from nnx_shard._base import format_bytes
+    from nnx_shard._cluster import hbm_bytes
 
     device = mesh.devices.flat[0]
     hbm, state = hbm_bytes(device), plan.bytes_per_device
@@ -320,9 +320,8 @@ def run_plan(args: argparse.Namespace) -> int:
         jax.config.update("jax_num_cpu_devices", int(inputs["devices"]))
     from flax import nnx
 
-    from nnx_shard._base._jax_private import abstract_construction
-    from nnx_shard._base._mesh import mesh_from_string
-    from nnx_shard._sharding._inference import plan_sharding
+    from nnx_shard._base import abstract_construction, mesh_from_string
+    from nnx_shard._sharding import plan_sharding
 
     mesh = mesh_from_string(inputs["mesh"], devices=_topology_devices(args))
     build = _builder(inputs["model"], inputs["kwargs"], inputs["optimizer"], inputs["ema"])

@@ -149,6 +149,10 @@ class CheckpointSaveError(CheckpointError):
     """A save that could not be written (full disk, unwritable directory); earlier steps are intact."""
 
 
+class ConflictingArgumentsError(NnxShardError, TypeError):
+    """Two ways of saying the same thing given at once (``options=`` and the keywords it holds)."""
+
+
 class ConfigError(NnxShardError, ValueError):
     """A Trainer or command-line setting that cannot be used."""
 
@@ -244,6 +248,7 @@ __all__ = [
     "CheckpointWarning",
     "CompileError",
     "ConfigError",
+    "ConflictingArgumentsError",
     "DistributedNotInitializedError",
     "EmptyStateError",
     "EmptyStateKind",

@@ -14,14 +14,14 @@ def write(folder: str, domain: str = "") -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint._snapshot import SnapshotWriter, own_bytes
+    from nnx_shard._checkpoint._snapshot import SnapshotWriter, snapshot_own_bytes
 
     if domain:
         os.environ["NNX_SHARD_FAILURE_DOMAIN"] = f"{domain}{jax.process_index() // 2}"
 
     states = _states(ns.create_mesh((jax.device_count(),), ("fsdp",)))
     writer = SnapshotWriter(folder, keep=2)
-    need = writer.check_space(own_bytes(states))
+    need = writer.check_space(snapshot_own_bytes(states))
     for step in (3, 6, 9):
         writer.write(step, states)
     writer.wait()
@@ -40,12 +40,12 @@ def restore_onto_more(folder: str) -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint._snapshot_read import restore
+    from nnx_shard._checkpoint._snapshot_read import restore_from_snapshots
 
     mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
     target = _states(mesh, seed=7)
     mine = Path(folder) / "process-0" if jax.process_index() == 0 else None
-    got = restore(mine, 1, target, after=-1)
+    got = restore_from_snapshots(mine, 1, target, after=-1)
     digests = {}
     for path, x in ns.flatten_state(got.states):
         whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -88,6 +88,36 @@ def test_every_import_points_down_the_layers():
     assert not wrong, "\n".join(wrong)
 
 
+def folder_of(name: str) -> str | None:
+    """The layer folder a module lives in (None for a top-level module)."""
+    return name.split(".")[0] if "." in name or (PACKAGE / name).is_dir() else None
+
+
+def test_a_folder_is_imported_from_outside_only_through_its_face():
+    """``from nnx_shard._checkpoint import X`` from another layer; never ``nnx_shard._checkpoint._reads``."""
+    bad = []
+    for name, path in modules().items():
+        for target, imported, line in imports(path):
+            top = target.split(".")[0] if target else imported
+            if top in LAYERS and (PACKAGE / top).is_dir() and folder_of(name) != top:
+                full = f"{target}.{imported}" if target else imported
+                if target.count(".") >= 1 or (
+                    not target.count(".") and full != top and imported.startswith("_")
+                ):
+                    bad.append(f"{name} line {line} imports {full} past the face of {top}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_and_folder_opens_with_one_line_saying_what_it_holds():
+    missing = []
+    for name, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if not doc or not doc.splitlines()[0].strip():
+            missing.append(name or "nnx_shard")
+    assert not missing, missing
+    assert set(LAYERS) >= {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+
+
 def test_the_import_graph_has_no_cycle():
     edges, state, cycle = graph(), {}, []
 

@@ -89,3 +89,51 @@ def test_on_restore_places_host_data_and_states_from_another_mesh():
         np.testing.assert_array_equal(np.asarray(kernel), host["model"]["kernel"])
     with pytest.raises(ns.CheckpointError, match=r"restored keys \['extra'\] are not among the objects"):
         hooks.on_restore({"extra": host["model"]})
+
+
+def test_options_given_with_another_restore_argument_raise_instead_of_dropping_it(tmp_path):
+    hooks = ns.ShardingHooks(STRATEGY, mesh())
+    hooks.on_init(create)
+    with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
+        hooks.save(ckpt, 1)
+        options = ns.RestoreOptions(items=["model"])
+        with pytest.raises(
+            ns.ConflictingArgumentsError, match=r"options= was given together with free_live=True"
+        ):
+            hooks.restore_and_reshard(ckpt, options=options, free_live=True)
+        assert issubclass(ns.ConflictingArgumentsError, TypeError)
+        report = hooks.restore_and_reshard(ckpt, options=options)  # options alone: read as given
+        assert report.items == ("model",)
+
+
+def test_restore_and_reshard_builds_no_owner_and_restore_onto_is_a_function_over_states(
+    tmp_path, monkeypatch
+):
+    source = ns.ShardingHooks(STRATEGY, mesh(8))
+    source.on_init(create)
+    with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
+        source.save(ckpt, 3)
+    saved = np.asarray(source.objects["model"].kernel.get_value())
+
+    def no_owner(*args, **kwargs):
+        raise AssertionError("restore_and_reshard built a ShardingHooks")
+
+    monkeypatch.setattr(ns.ShardingHooks, "__init__", no_owner)
+    fresh = create()
+    report = ns.restore_and_reshard(str(tmp_path), fresh, STRATEGY, mesh(4))
+    assert report.step == 3 and dict(fresh["model"].kernel.get_value().sharding.mesh.shape) == {"fsdp": 4}
+    np.testing.assert_array_equal(np.asarray(fresh["model"].kernel.get_value()), saved)
+
+    from nnx_shard._checkpoint import restore_onto
+
+    other = create()
+    states = {k: nnx.state(v) for k, v in other.items()}
+    shardings = ns.infer_sharding(other, STRATEGY, mesh(2))
+    before = np.asarray(other["model"].kernel.get_value())
+    restored, report = restore_onto(
+        str(tmp_path), states, shardings, mesh(2), options=ns.RestoreOptions(items=["model"])
+    )
+    assert sorted(restored) == ["model"] and report.items == ("model",)
+    assert dict(restored["model"]["kernel"].get_value().sharding.mesh.shape) == {"fsdp": 2}
+    np.testing.assert_array_equal(np.asarray(restored["model"]["kernel"].get_value()), saved)
+    np.testing.assert_array_equal(np.asarray(other["model"].kernel.get_value()), before)  # nothing written

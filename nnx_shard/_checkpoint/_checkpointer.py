@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from nnx_shard._base._paths import as_state
+from nnx_shard._base import as_state
 from nnx_shard._checkpoint._directory import (
     move_failed,
     move_steps,
@@ -36,7 +36,7 @@ from nnx_shard._checkpoint._format import (
 )
 from nnx_shard._checkpoint._reads import CheckpointReads, registry
 from nnx_shard._checkpoint._workdir import set_aside_folder
-from nnx_shard._cluster._multihost import barrier_sync
+from nnx_shard._cluster import barrier_sync
 from nnx_shard._version import __version__
 from nnx_shard.errors import (
     CheckpointError,

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._base._specs import itemsize
+from nnx_shard._base import itemsize
 from nnx_shard._checkpoint._faults import describe, named, os_error, os_reason
 from nnx_shard._checkpoint._format import unreadable_json
 from nnx_shard.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError

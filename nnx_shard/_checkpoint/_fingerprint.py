@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base._caches import cached
-from nnx_shard._base._specs import entry_axes, is_key
+from nnx_shard._base import cached, entry_axes, is_key
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.

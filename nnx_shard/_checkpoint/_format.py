@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import zlib
 from collections.abc import Sequence
@@ -11,11 +10,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from nnx_shard._base._mesh import describe_mesh
-from nnx_shard._base._paths import as_state, flatten_with_paths, is_variable
-from nnx_shard._base._specs import is_key
+from nnx_shard._base import as_state, describe_mesh, flatten_with_paths, is_key, is_variable
 from nnx_shard._checkpoint._fingerprint import fingerprints
-from nnx_shard.errors import CheckpointError
 
 
 def describe_strategy(strategy: Sequence[tuple[str, Any]] | None) -> list[list[str]] | None:
@@ -67,84 +63,6 @@ def leaf_paths(tree: Any) -> dict[str, Any]:
     for path, leaf in flatten_with_paths(tree)[0]:
         out[path.removesuffix("/value")] = leaf.get_value() if is_variable(leaf) else leaf
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreOptions:
-    """How a restore reads, built once from the public arguments and passed down unchanged.
-
-    Attributes:
-      items: the objects to restore (None: all the hooks own).
-      item: for a plain Orbax checkpoint, the name of its item to read.
-      ema_as_model: load the checkpoint's EMA parameters into the model's.
-      free_live: free the live arrays being restored before the read.
-      max_host_bytes: the host memory the read may hold at once; None is no limit
-        (``0``, as ``config.max_host_bytes`` spells it, becomes None here).
-      frozen: an nnx filter of model parameters the checkpoint does not hold.
-
-    >>> RestoreOptions(items=["model"], max_host_bytes=0)
-    RestoreOptions(items=('model',), item=None, ema_as_model=False, free_live=False, max_host_bytes=None, frozen=None)
-    """
-
-    items: tuple[str, ...] | None = None
-    item: str | None = None
-    ema_as_model: bool = False
-    free_live: bool = False
-    max_host_bytes: int | None = None
-    frozen: Any = None
-
-    def __post_init__(self) -> None:
-        if self.items is not None:
-            object.__setattr__(self, "items", tuple(self.items))
-        if self.max_host_bytes is not None:
-            if not isinstance(self.max_host_bytes, int) or self.max_host_bytes < 0:
-                raise CheckpointError(
-                    f"max_host_bytes is a whole number of bytes >= 0 (0 or None: no limit); got {self.max_host_bytes!r}."
-                )
-            object.__setattr__(self, "max_host_bytes", self.max_host_bytes or None)
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreReport:
-    """What a restore did: which step, from where, onto what.
-
-    >>> print(RestoreReport(300, {"devices": 8, "mesh": "fsdp=8", "processes": 1}, 4, 1, "fsdp=4"))
-    restored step 300, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"""
-
-    step: int | None
-    saved: dict[str, Any]
-    devices: int
-    processes: int
-    mesh: str
-    items: tuple[str, ...] | None = None
-    ema_as_model: bool = False
-    plain: str | None = None  # the items read from a checkpoint written by plain Orbax
-
-    def __str__(self) -> str:
-        show = self.saved.get("processes", 1) != 1 or self.processes != 1
-        saved = _where(
-            self.saved.get("devices", 0), self.saved.get("mesh", "?"), self.saved.get("processes", 1), show
-        )
-        onto = _where(self.devices, self.mesh, self.processes, show)
-        if self.plain is not None:
-            step = "" if self.step is None else f"step {self.step}, "
-            return (
-                f"restored {step}{self.plain} of a plain Orbax checkpoint onto {onto}; "
-                f"it carries no fingerprints, so its content was not verified"
-            )
-        what = f"step {self.step}"
-        if self.items is not None:
-            extra = "; the EMA parameters as the model" if self.ema_as_model else ""
-            what += f" ({', '.join(self.items)} only{extra})"
-        return f"restored {what}, saved on {saved}, onto {onto}"
-
-
-def _where(devices: int, mesh: str, processes: int, show_processes: bool) -> str:
-    """``8 devices (fsdp=8)``, ``1 device``, ``4 devices (fsdp=4) in 2 processes``."""
-    text = f"{devices} device{'s' if devices != 1 else ''}" + (f" ({mesh})" if devices != 1 else "")
-    if show_processes:
-        text += f" in {processes} process{'es' if processes != 1 else ''}"
-    return text
 
 
 def _is_key(x: Any) -> bool:
@@ -308,31 +226,3 @@ def unreadable_json(step_dir: Any) -> list[str]:
         except (OSError, ValueError):
             bad.append(name)
     return bad
-
-
-def check_placed(states: Any, shardings: Any) -> None:
-    """Refuses a restore that did not land exactly on the target (never keep an old device subset)."""
-    targets, treedef = jax.tree_util.tree_flatten(shardings, is_leaf=lambda v: v is None)
-    for target, sub in zip(targets, treedef.flatten_up_to(states), strict=True):
-        for x in jax.tree.leaves(sub):
-            if (
-                target is not None
-                and isinstance(x, jax.Array)
-                and not x.sharding.is_equivalent_to(target, x.ndim)
-            ):
-                raise CheckpointError(f"a restored array landed on {x.sharding}, not on the target {target}.")
-
-
-def restore_names(objects: Sequence[str], items: Sequence[str] | None, ema_as_model: bool) -> list[str]:
-    """The objects a restore reads: ``items`` (default all), checked; the EMA not read with ``ema_as_model``."""
-    names = list(objects) if items is None else list(items)
-    unknown = sorted(set(names) - set(objects))
-    if unknown:
-        raise CheckpointError(
-            f"items {unknown} are not among the objects {sorted(objects)}; restore some of those."
-        )
-    if ema_as_model and "model" not in names:
-        raise CheckpointError(
-            "ema_as_model=True loads EMA parameters into the 'model' object; include 'model' in items."
-        )
-    return [n for n in names if n != "ema"] if ema_as_model else names

@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from nnx_shard._base._paths import path_str
+from nnx_shard._base import path_str
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._directory import read_limit, unreadable
 from nnx_shard._checkpoint._faults import storage_faults

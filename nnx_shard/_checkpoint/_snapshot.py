@@ -39,13 +39,13 @@ DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
 HEADER = 8  # bytes of the header's length, then the header, then the shards
 
 
-def default_dir(job: str) -> Path:
+def default_snapshot_dir(job: str) -> Path:
     """``/dev/shm/nnx_shard-<job>`` where ``/dev/shm`` exists (host memory), else under the temp dir."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"nnx_shard-{job}"
 
 
-def folder(directory: Path, run: int | None, process: int) -> Path:
+def snapshot_folder(directory: Path, run: int | None, process: int) -> Path:
     """A process's own folder: ``process-<id>``, under ``run-<restart>`` in a job of ``nnx-shard launch``
     (ids are renumbered on a restart, so each run has its own folders)."""
     return (directory if run is None else directory / f"run-{run}") / f"process-{process}"
@@ -68,7 +68,7 @@ def own_shards(states: Any) -> list[tuple[str, list[list[int]], np.ndarray, tupl
     return out
 
 
-def own_bytes(states: Any) -> int:
+def snapshot_own_bytes(states: Any) -> int:
     """Bytes of the shards this process owns (replica 0 of its addressable shards): one snapshot's arrays."""
     leaves = [x for x in jax.tree.leaves(states) if isinstance(x, jax.Array)]
     return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
@@ -200,7 +200,7 @@ class SnapshotWriter:
         domain = os.environ.get(DOMAIN) or socket.gethostname()
         all_domains = [str(d) for d in gather_json(domain)]
         self.dest = peers(all_domains)
-        self.folder = folder(self.directory, run, jax.process_index())
+        self.folder = snapshot_folder(self.directory, run, jax.process_index())
         self._discard = list(discard)  # folders of the run before, removed once this run has a snapshot
         self._thread: threading.Thread | None = None
         self._spare: np.ndarray | None = None  # the last snapshot's buffer, reused once it is written

@@ -148,7 +148,9 @@ def _read(files: list[Path], step: int) -> tuple[list[dict[str, Any]], dict[tupl
     return headers, pieces
 
 
-def restore(folder: Path | None, previous: int, target: dict[str, Any], *, after: int) -> Restored | None:
+def restore_from_snapshots(
+    folder: Path | None, previous: int, target: dict[str, Any], *, after: int
+) -> Restored | None:
     """The newest snapshot state after step ``after``, placed onto ``target``'s shardings; None when there is
     none, or when any piece does not read or verify (every process returns the same). A collective.
 

@@ -1,1 +1,30 @@
 """Processes and pods: the distributed runtime, the launcher, barriers, host-local data, TPU topologies."""
+
+from nnx_shard._cluster._distributed import (
+    FAILED_AT,
+    PREVIOUS_PROCESSES,
+    STOPPED_AT,
+    LaunchInfo,
+    initialize_distributed,
+    launch_info,
+)
+from nnx_shard._cluster._launch import launch
+from nnx_shard._cluster._multihost import barrier_sync, data_sharding, host_local_to_global
+from nnx_shard._cluster._tpu import CompileReport, compile_program, hbm_bytes, tpu_devices
+
+__all__ = [
+    "FAILED_AT",
+    "PREVIOUS_PROCESSES",
+    "STOPPED_AT",
+    "CompileReport",
+    "LaunchInfo",
+    "barrier_sync",
+    "compile_program",
+    "data_sharding",
+    "hbm_bytes",
+    "host_local_to_global",
+    "initialize_distributed",
+    "launch",
+    "launch_info",
+    "tpu_devices",
+]

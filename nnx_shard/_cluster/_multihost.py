@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base._jax_private import distributed_client
+from nnx_shard._base import distributed_client
 from nnx_shard.errors import BarrierTimeoutError, LocalSliceError, ShardingError
 
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp", "data", "batch")

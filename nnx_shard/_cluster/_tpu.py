@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 
-from nnx_shard._base._format import format_bytes
-from nnx_shard._sharding._plan import ShardingPlan
+from nnx_shard._base import format_bytes
+from nnx_shard._sharding import ShardingPlan
 from nnx_shard.errors import CompileError, TopologyError
 
 GIB = 2**30

@@ -7,28 +7,17 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base._mesh import describe_mesh
-from nnx_shard._base._paths import as_state, is_graph_object
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._checkpoint._faults import quiet
-from nnx_shard._checkpoint._format import (
-    RestoreOptions,
-    RestoreReport,
-    abstract_target,
-    check_placed,
-    restore_names,
-)
-from nnx_shard._checkpoint._plain import plain_source
-from nnx_shard._cluster._multihost import barrier_sync
+from nnx_shard._base import as_state, is_graph_object
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, restore_onto
+from nnx_shard._cluster import barrier_sync
 from nnx_shard._live._placement import create_sharded
 from nnx_shard._live._resize import ResizeReport, move
+from nnx_shard._live._restore import place_loaded
 from nnx_shard._reshard import reshard
-from nnx_shard._sharding._inference import plan_sharding
-from nnx_shard._sharding._plan import ShardingPlan
+from nnx_shard._sharding import ShardingPlan, plan_sharding
 from nnx_shard.errors import CheckpointError, LifecycleError
 
 logger = logging.getLogger("nnx_shard")
@@ -208,17 +197,7 @@ class ShardingHooks:
         """
         self._require("live objects to restore into")
         self._check_keys(restored, "restored keys {unknown} are not among the objects {objects}.")
-        live = self.states()
-        incoming = {}
-        for key, value in restored.items():
-            if isinstance(value, nnx.State) or is_graph_object(value):
-                incoming[key] = nnx.state(value) if is_graph_object(value) else value
-            else:  # a pure dict: put its values into the live structure
-                template = jax.tree.map(lambda x: x, live[key])
-                nnx.replace_by_pure_dict(template, _unwrap_values(value))
-                incoming[key] = template
-        shardings = {k: self.shardings[k] for k in incoming}
-        self.update(reshard(incoming, shardings, donate=False))
+        self.update(place_loaded(restored, self.states(), self.shardings))
         barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
 
     def restore_and_reshard(
@@ -262,87 +241,24 @@ class ShardingHooks:
             state's own size.
           frozen: an nnx filter of model parameters the checkpoint does not hold
             (saved without them): they keep their live values.
-          options: all of the above as one :class:`RestoreOptions` (then they are not given).
+          options: all of the above as one :class:`RestoreOptions` (then none of them is given:
+            giving both raises :class:`~nnx_shard.errors.ConflictingArgumentsError`).
         """
-        opts = options or RestoreOptions(items, item, ema_as_model, free_live, max_host_bytes, frozen)
-        return self._restore(checkpointer, step, opts)
-
-    def _restore_target(self, names: list[str], opts: RestoreOptions) -> tuple[Any, Any, Any, Any]:
-        """The live states, what to read into, the structure the checkpoint must have, and the frozen part kept."""
-        states = self.states()
-        target = {k: abstract_target(states[k], self.shardings[k]) for k in names}
-        kept = None
-        if opts.frozen is not None and "model" in target:  # the frozen part stays as it is, never read
-            kept, states["model"] = nnx.split_state(states["model"], opts.frozen, ...)
-            target["model"] = nnx.split_state(target["model"], opts.frozen, ...)[1]
-        expected = dict(target)
-        if opts.ema_as_model:  # read the model's parameters from the EMA, its other state from the model
-            params, rest = nnx.split_state(target["model"], nnx.Param, ...)
-            if jax.tree.leaves(rest):
-                target["model"] = rest
-            else:  # a model of parameters only: nothing of it is read (an empty item is not a tree Orbax reads)
-                del target["model"]
-            target["ema"] = expected["ema"] = nnx.State({"params": params})
-        return states, target, expected, kept
-
-    def _restore(self, checkpointer: Any, step: int | None, opts: RestoreOptions) -> RestoreReport:
-        self._require("live objects to restore into")
-        item, ema_as_model, free_live, max_host_bytes = (
-            opts.item,
-            opts.ema_as_model,
-            opts.free_live,
-            opts.max_host_bytes,
+        opts = RestoreOptions.given(
+            options,
+            items=items,
+            item=item,
+            ema_as_model=ema_as_model,
+            free_live=free_live,
+            max_host_bytes=max_host_bytes,
+            frozen=frozen,
         )
-        names = restore_names(list(self._objects), opts.items, ema_as_model)
-        states, target, expected, kept = self._restore_target(names, opts)
-        with quiet():  # one quiet block for the whole restore: the reads inside share its cleanup
-            plain = plain_source(checkpointer, item, ema_as_model)
-            if plain is not None:  # checked before anything live is freed
-                plain.prepare(step, target, item)
-            else:
-                checkpointer = (
-                    checkpointer if isinstance(checkpointer, Checkpointer) else Checkpointer(checkpointer)
-                )
-                step = checkpointer.validate(step, expected, items=sorted(expected))
-                if free_live:
-                    checkpointer.metadata(step)  # readable, before anything live is freed
-            if free_live:
-                for x in jax.tree.leaves({k: states[k] for k in names}):
-                    if isinstance(x, jax.Array):
-                        x.delete()
-            try:
-                if plain is not None:
-                    restored, saved = plain.read(target, max_host_bytes), {}
-                else:
-                    restored, saved = checkpointer.read(
-                        step, target, partial=True, max_host_bytes=max_host_bytes
-                    )
-            except CheckpointError:
-                if free_live:
-                    logger.error(
-                        "restore of step %s failed after the live state was freed (free_live=True)", step
-                    )
-                raise
-        restored = dict(restored)
-        if kept is not None:
-            restored["model"] = nnx.merge_state(restored["model"], kept)
-        if ema_as_model:
-            params = restored.pop("ema")["params"]
-            restored["model"] = nnx.merge_state(restored["model"], params) if "model" in restored else params
-        check_placed(restored, {k: self.shardings[k] for k in restored})
+        self._require("live objects to restore into")
+        restored, report = restore_onto(
+            checkpointer, self.states(), self.shardings, self._mesh, step=step, options=opts
+        )
         self.update(restored)  # Orbax's arrays own their buffers: donatable (tested)
         barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)
-        partial = plain is None and (sorted(restored) != checkpointer.items(step) or ema_as_model)
-        report = RestoreReport(
-            step=plain.step if plain is not None else step,
-            saved=saved,
-            devices=int(self._mesh.devices.size),
-            processes=jax.process_count(),
-            mesh=describe_mesh(self._mesh),
-            items=tuple(sorted(restored)) if partial else None,
-            ema_as_model=ema_as_model,
-            plain=plain.describe() if plain is not None else None,
-        )
         logger.info("%s", report)
         return report
 
@@ -392,12 +308,3 @@ class ShardingHooks:
         return checkpointer.save(
             step, self.states(), metrics=metrics, mesh=self._mesh, strategy=self._strategy
         )
-
-
-def _unwrap_values(tree: Any) -> Any:
-    """Orbax's layout without a target keeps each Variable as ``{"value": x}``: take ``x``."""
-    if isinstance(tree, Mapping):
-        if set(tree) == {"value"}:
-            return tree["value"]
-        return {k: _unwrap_values(v) for k, v in tree.items()}
-    return tree

@@ -12,14 +12,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding
 
-from nnx_shard._base._jax_private import abstract_construction
-from nnx_shard._base._paths import as_state, flatten_with_paths, is_graph_object, visible
-from nnx_shard._base._specs import format_spec, spec_problems
-from nnx_shard._reshard._host import from_host
-from nnx_shard._sharding._inference import plan_sharding
-from nnx_shard._sharding._logical import logical_rules_of
-from nnx_shard._sharding._parser import parse_tactic
-from nnx_shard._sharding._plan import ShardingPlan
+from nnx_shard._base import (
+    abstract_construction,
+    as_state,
+    flatten_with_paths,
+    format_spec,
+    is_graph_object,
+    spec_problems,
+    visible,
+)
+from nnx_shard._reshard import from_host
+from nnx_shard._sharding import ShardingPlan, logical_rules_of, parse_tactic, plan_sharding
 from nnx_shard.errors import PlacementError
 
 log = logging.getLogger("nnx_shard")

@@ -9,11 +9,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from nnx_shard._base._format import format_bytes
-from nnx_shard._base._mesh import describe_mesh
+from nnx_shard._base import describe_mesh, format_bytes
 from nnx_shard._reshard import ReshardPlan, plan_reshard, reshard
-from nnx_shard._sharding._inference import plan_sharding
-from nnx_shard._sharding._plan import ShardingPlan
+from nnx_shard._sharding import ShardingPlan, plan_sharding
 
 
 @dataclasses.dataclass(frozen=True)

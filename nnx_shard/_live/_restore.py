@@ -1,16 +1,53 @@
-"""``restore_and_reshard``: a checkpoint (or a state Orbax loaded) onto the current mesh, for objects no hooks own."""
+"""Restored state onto the current mesh: ``restore_and_reshard`` for any objects, and loaded state placed."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._checkpoint._format import RestoreOptions, RestoreReport
-from nnx_shard._live._hooks import ShardingHooks
+from nnx_shard._base import as_state, is_graph_object
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, restore_onto
+from nnx_shard._cluster import barrier_sync
+from nnx_shard._reshard import reshard
+from nnx_shard._sharding import plan_sharding
+from nnx_shard.errors import CheckpointError
+
+logger = logging.getLogger("nnx_shard")
+
+
+def place_loaded(
+    loaded: Mapping[str, Any], live: Mapping[str, Any], shardings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """State loaded anywhere (States, pure dicts or numpy trees, on any mesh or the host) onto ``shardings``.
+
+    Arrays on devices are resharded (no host round trip); host data is placed
+    shard by shard; a pure dict's values go into the structure of ``live``.
+    The results own their buffers, so the next jitted step can donate them.
+    """
+    incoming = {}
+    for key, value in loaded.items():
+        if isinstance(value, nnx.State) or is_graph_object(value):
+            incoming[key] = nnx.state(value) if is_graph_object(value) else value
+        else:  # a pure dict: put its values into the live structure
+            template = jax.tree.map(lambda x: x, live[key])
+            nnx.replace_by_pure_dict(template, _unwrap_values(value))
+            incoming[key] = template
+    return reshard(incoming, {k: shardings[k] for k in incoming}, donate=False)
+
+
+def _unwrap_values(tree: Any) -> Any:
+    """Orbax's layout without a target keeps each Variable as ``{"value": x}``: take ``x``."""
+    if isinstance(tree, Mapping):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap_values(v) for k, v in tree.items()}
+    return tree
 
 
 def restore_and_reshard(
@@ -28,8 +65,9 @@ def restore_and_reshard(
 ) -> RestoreReport | None:
     """Restores a checkpoint (or a state already loaded with Orbax) onto the current mesh.
 
-    The same restore as :meth:`ShardingHooks.restore_and_reshard` (which this
-    calls), for objects that no hooks own yet.
+    The same restore as :meth:`ShardingHooks.restore_and_reshard`, for objects
+    that no hooks own: the shardings are planned for ``objects`` on ``mesh``,
+    and the restored state is written into them.
 
     Args:
       checkpointer: a :class:`Checkpointer` or a directory: nnx_shard's, or one
@@ -63,15 +101,28 @@ def restore_and_reshard(
     >>> print(restore_and_reshard(ckpt, {"model": model}, strategy, half))
     restored step 7, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)
     """
-    hooks = ShardingHooks(strategy, mesh)
-    hooks.adopt(objects)
+    plan = plan_sharding(dict(objects), strategy, mesh)
+    live = as_state(dict(objects))[0]
     if state is not None:
-        hooks.on_restore(state)
-        hooks.sync()  # write into the caller's objects now
+        unknown = sorted(set(state) - set(objects))
+        if unknown:
+            raise CheckpointError(f"restored keys {unknown} are not among the objects {sorted(objects)}.")
+        placed = place_loaded(state, live, plan.shardings)
+        barrier_sync("nnx_shard/on_restore")
+        _write(objects, placed)
         return None
     options = RestoreOptions(
         item=item, ema_as_model=ema_as_model, free_live=free_live, max_host_bytes=max_host_bytes
     )
-    report = hooks.restore_and_reshard(checkpointer, step=step, options=options)
-    hooks.sync()
+    restored, report = restore_onto(checkpointer, live, plan.shardings, mesh, step=step, options=options)
+    barrier_sync("nnx_shard/restore_and_reshard")
+    logger.info("%s", report)
+    _write(objects, restored)
     return report
+
+
+def _write(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+    """The restored states into the caller's graph objects (their arrays replaced in place)."""
+    for key, state in states.items():
+        if is_graph_object(objects[key]):
+            nnx.update(objects[key], state)

@@ -7,6 +7,7 @@ nothing is gathered onto one device and nothing goes through the host.
 """
 
 from nnx_shard._reshard._executor import plan_reshard, reshard, reshard_with_intermediate_sharding
+from nnx_shard._reshard._host import from_host
 from nnx_shard._reshard._intermediate import find_intermediate_sharding
 from nnx_shard._reshard._planner import LeafReshard, ReshardPlan, Route
 
@@ -15,6 +16,7 @@ __all__ = [
     "ReshardPlan",
     "Route",
     "find_intermediate_sharding",
+    "from_host",
     "plan_reshard",
     "reshard",
     "reshard_with_intermediate_sharding",

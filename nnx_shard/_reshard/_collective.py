@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from nnx_shard._base._caches import cached
+from nnx_shard._base import cached
 from nnx_shard._reshard._blocks import Block, assemble, block_shape, blocks, contains
 
 AXIS = "nnx_shard_devices"

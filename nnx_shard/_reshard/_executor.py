@@ -10,8 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from nnx_shard._base._paths import flatten_with_paths
-from nnx_shard._base._specs import is_key, itemsize
+from nnx_shard._base import flatten_with_paths, is_key, itemsize
 from nnx_shard._reshard import _collective, _copy
 from nnx_shard._reshard._blocks import Block, assemble, block_of_shard, blocks, holder, relative
 from nnx_shard._reshard._host import from_host

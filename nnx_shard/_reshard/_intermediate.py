@@ -11,7 +11,7 @@ import jax  # noqa: F401  (the doctests use it)
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from nnx_shard._base._specs import entry_size, normalize_spec
+from nnx_shard._base import entry_size, normalize_spec
 from nnx_shard._reshard._blocks import Block, blocks, contains, device_order, intersect, size
 from nnx_shard.errors import NoIntermediateShardingError, NoIntermediateShardingNeededError
 

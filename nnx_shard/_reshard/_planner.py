@@ -12,9 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from nnx_shard._base._caches import cached
-from nnx_shard._base._format import format_bytes, format_table
-from nnx_shard._base._specs import itemsize
+from nnx_shard._base import cached, format_bytes, format_table, itemsize
 from nnx_shard._reshard import _collective, _copy
 from nnx_shard._reshard._blocks import Block, blocks, device_order, holder, intersect, missing_elements, size
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from nnx_shard._base._paths import is_graph_object
+from nnx_shard._base import is_graph_object
 
 F = TypeVar("F", bound=Callable[..., Any])
 

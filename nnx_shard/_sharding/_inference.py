@@ -13,8 +13,17 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base._paths import Leaf, flatten_leaves, is_graph_object
-from nnx_shard._base._specs import WHOLE, Spec, bytes_per_device, finalize_spec, normalize_spec, spec_axes
+from nnx_shard._base import (
+    WHOLE,
+    Leaf,
+    Spec,
+    bytes_per_device,
+    finalize_spec,
+    flatten_leaves,
+    is_graph_object,
+    normalize_spec,
+    spec_axes,
+)
 from nnx_shard._sharding._explicit import explicit_axes
 from nnx_shard._sharding._parser import as_tactic
 from nnx_shard._sharding._plan import LeafPlacement, ShardingPlan

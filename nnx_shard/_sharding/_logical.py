@@ -7,8 +7,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from nnx_shard._base._paths import Leaf
-from nnx_shard._base._specs import Spec, SpecEntry, entry_axes, format_spec, spec_axes
+from nnx_shard._base import Leaf, Spec, SpecEntry, entry_axes, format_spec, spec_axes
 from nnx_shard._sharding._tactics import Tactic, sharded, validate_spec
 from nnx_shard.errors import MeshAxisError, ShardingConflictError, TacticArgumentError
 

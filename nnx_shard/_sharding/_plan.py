@@ -8,7 +8,7 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-from nnx_shard._base._format import format_bytes, format_table
+from nnx_shard._base import format_bytes, format_table
 
 
 @dataclasses.dataclass(frozen=True)

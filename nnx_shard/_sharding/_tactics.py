@@ -14,9 +14,9 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from nnx_shard._base._paths import Leaf
-from nnx_shard._base._specs import (
+from nnx_shard._base import (
     WHOLE,
+    Leaf,
     Spec,
     SpecEntry,
     entry_size,

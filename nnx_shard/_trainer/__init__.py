@@ -3,4 +3,7 @@
 from nnx_shard._trainer._config import default_config
 from nnx_shard._trainer._trainer import Trainer
 
-__all__ = ["Trainer", "default_config"]
+__all__ = [
+    "Trainer",
+    "default_config",
+]

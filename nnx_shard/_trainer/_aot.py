@@ -14,14 +14,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base._jax_private import abstract_construction
-from nnx_shard._base._mesh import mesh_from_string
-from nnx_shard._checkpoint._format import abstract_target
-from nnx_shard._cluster._multihost import data_sharding
-from nnx_shard._cluster._tpu import CompileReport, compile_program
-from nnx_shard._sharding._explicit import on_mesh
-from nnx_shard._sharding._inference import plan_sharding
-from nnx_shard._sharding._plan import ShardingPlan
+from nnx_shard._base import abstract_construction, mesh_from_string
+from nnx_shard._checkpoint import abstract_target
+from nnx_shard._cluster import CompileReport, compile_program, data_sharding
+from nnx_shard._sharding import ShardingPlan, on_mesh, plan_sharding
 from nnx_shard._trainer._step import CompiledSteps
 
 

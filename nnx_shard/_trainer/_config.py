@@ -10,9 +10,9 @@ from typing import Any
 import ml_collections
 from jax.sharding import Mesh
 
-from nnx_shard._base._mesh import mesh_from_string
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._sharding._parser import parse_tactic
+from nnx_shard._base import mesh_from_string
+from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._sharding import parse_tactic
 from nnx_shard.errors import ConfigError, MeshError, TacticError, UnknownConfigKeyError
 
 DEFAULTS: dict[str, Any] = {

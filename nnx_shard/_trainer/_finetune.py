@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_shard._base._paths import flatten_with_paths
-from nnx_shard._base._visibility import check_model
-from nnx_shard._checkpoint._format import storable, tree_fingerprints
+from nnx_shard._base import check_model, flatten_with_paths
+from nnx_shard._checkpoint import storable, tree_fingerprints
 from nnx_shard.errors import CheckpointError, CheckpointMismatchError
 
 logger = logging.getLogger("nnx_shard")

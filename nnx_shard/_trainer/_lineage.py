@@ -9,8 +9,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._checkpoint._workdir import WorkdirLock
+from nnx_shard._checkpoint import Checkpointer, WorkdirLock
 from nnx_shard.errors import CheckpointCorruptError, CheckpointExistsError
 
 logger = logging.getLogger("nnx_shard")

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from nnx_shard._checkpoint._snapshot import SnapshotWriter
+from nnx_shard._checkpoint import SnapshotWriter
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._observe import compile_seconds
 from nnx_shard._trainer._recovery import RecoveryHost, is_restart, recovery_fields, snapshot, start_snapshots

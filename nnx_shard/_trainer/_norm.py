@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base._paths import flatten_with_paths, is_variable
-from nnx_shard._base._specs import entry_size, normalize_spec
+from nnx_shard._base import entry_size, flatten_with_paths, is_variable, normalize_spec
 
 
 def global_norm(grads: Any, shardings: Mapping[str, NamedSharding], mesh: Mesh) -> jax.Array:

@@ -13,8 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_shard._base._caches import on_clear
-from nnx_shard._base._paths import flatten_with_paths, is_variable
+from nnx_shard._base import flatten_with_paths, is_variable, on_clear
 
 logger = logging.getLogger("nnx_shard")
 

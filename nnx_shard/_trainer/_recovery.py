@@ -12,11 +12,17 @@ from typing import Any, Protocol
 import jax
 import ml_collections
 
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._checkpoint._snapshot import SnapshotWriter, default_dir, folder, own_bytes
-from nnx_shard._checkpoint._snapshot_read import Restored, restore
-from nnx_shard._cluster._distributed import FAILED_AT, PREVIOUS_PROCESSES, STOPPED_AT, launch_info
-from nnx_shard._live._hooks import ShardingHooks
+from nnx_shard._checkpoint import (
+    Checkpointer,
+    Restored,
+    SnapshotWriter,
+    default_snapshot_dir,
+    restore_from_snapshots,
+    snapshot_folder,
+    snapshot_own_bytes,
+)
+from nnx_shard._cluster import FAILED_AT, PREVIOUS_PROCESSES, STOPPED_AT, launch_info
+from nnx_shard._live import ShardingHooks
 from nnx_shard._trainer import _data
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._observe import Observer
@@ -90,7 +96,7 @@ def is_restart() -> bool:
 def _root(trainer: RecoveryHost) -> Path:
     """``config.snapshot_dir``, or a folder of this workdir's own under ``/dev/shm``."""
     job = hashlib.sha256(os.path.abspath(trainer.workdir or "nnx_shard").encode()).hexdigest()[:12]
-    return Path(trainer.config.snapshot_dir or default_dir(job))
+    return Path(trainer.config.snapshot_dir or default_snapshot_dir(job))
 
 
 def _previous_folder(trainer: RecoveryHost) -> Path | None:
@@ -98,7 +104,7 @@ def _previous_folder(trainer: RecoveryHost) -> Path | None:
     info = launch_info()
     if info is None or info.restart == 0 or info.previous_id is None:
         return None
-    return folder(_root(trainer), info.restart - 1, info.previous_id)
+    return snapshot_folder(_root(trainer), info.restart - 1, info.previous_id)
 
 
 def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
@@ -115,7 +121,7 @@ def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
     steps = trainer.checkpointer.all_steps() if trainer.checkpointer is not None else []
     previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
     # a snapshot of the newest checkpoint's step is preferred: it is read from memory
-    got = restore(
+    got = restore_from_snapshots(
         _previous_folder(trainer), previous, trainer.hooks.states(), after=max(steps, default=0) - 1
     )
     if got is None:
@@ -151,9 +157,9 @@ def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
     discard = []
     if info is not None and info.restart > 0:  # its own, and a lost process's on the same host
         before = [info.previous_id] if info.previous_id is not None else []
-        discard = [folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
+        discard = [snapshot_folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
     writer = SnapshotWriter(root, keep=2, run=None if info is None else info.restart, discard=discard)
-    own = own_bytes(trainer.hooks.states())
+    own = snapshot_own_bytes(trainer.hooks.states())
     need = writer.check_space(own)
     logger.info(
         "snapshots every %d steps in %s: %.1f MiB of host memory here (own and a peer's shards, 2 kept)",

@@ -9,9 +9,9 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._cluster._multihost import data_sharding
-from nnx_shard._live._hooks import ShardingHooks
-from nnx_shard._sharding._explicit import auto_axes_on, on_mesh
+from nnx_shard._cluster import data_sharding
+from nnx_shard._live import ShardingHooks
+from nnx_shard._sharding import auto_axes_on, on_mesh
 from nnx_shard._trainer import _data, _guard
 
 TrainStep = Callable[[nnx.Module, nnx.Optimizer, "nnx.EMA | None", Any], dict[str, Any]]

@@ -13,13 +13,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base._mesh import mesh_from_string
-from nnx_shard._checkpoint._checkpointer import Checkpointer
-from nnx_shard._checkpoint._format import RestoreOptions, RestoreReport
-from nnx_shard._cluster._distributed import initialize_distributed
-from nnx_shard._cluster._multihost import data_sharding, host_local_to_global
-from nnx_shard._live._hooks import ShardingHooks
-from nnx_shard._live._resize import ResizeReport
+from nnx_shard._base import mesh_from_string
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport
+from nnx_shard._cluster import data_sharding, host_local_to_global, initialize_distributed
+from nnx_shard._live import ResizeReport, ShardingHooks
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._aot import AheadOfTime
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config

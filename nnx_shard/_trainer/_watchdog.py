@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._base._jax_private import distributed_client
+from nnx_shard._base import distributed_client
 from nnx_shard.errors import DistributedNotInitializedError
 
 logger = logging.getLogger("nnx_shard")

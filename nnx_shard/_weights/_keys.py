@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nnx_shard._base._paths import as_state, flatten_with_paths, is_graph_object
-from nnx_shard._base._visibility import check_model
+from nnx_shard._base import as_state, check_model, flatten_with_paths, is_graph_object
 from nnx_shard._weights._transforms import Op, parse
 from nnx_shard.errors import WeightsMismatchError
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from nnx_shard._base._paths import flatten_with_paths, is_graph_object
+from nnx_shard._base import flatten_with_paths, is_graph_object
 from nnx_shard.errors import WeightsMismatchError
 
 

@@ -12,13 +12,14 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base._mesh import resolve_mesh
-from nnx_shard._base._paths import flatten_with_paths, is_variable
-from nnx_shard._base._specs import (
+from nnx_shard._base import (
     entry_axes,
+    flatten_with_paths,
     format_spec,
+    is_variable,
     itemsize,
     normalize_spec,
+    resolve_mesh,
     shard_shape,
     spec_problems,
 )

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from nnx_shard._base._mesh import DEFAULT_AXIS_DIMS, DEFAULT_AXIS_NAMES, create_mesh, parse_mesh_dims
+from nnx_shard._base import DEFAULT_AXIS_DIMS, DEFAULT_AXIS_NAMES, create_mesh, parse_mesh_dims
 from nnx_shard.errors import MeshError
 
 

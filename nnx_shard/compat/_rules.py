@@ -10,10 +10,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from nnx_shard._base._mesh import resolve_mesh
-from nnx_shard._base._paths import Leaf, is_variable
-from nnx_shard._base._specs import format_spec, itemsize, normalize_spec
-from nnx_shard._sharding._tactics import Tactic, validate_spec
+from nnx_shard._base import Leaf, format_spec, is_variable, itemsize, normalize_spec, resolve_mesh
+from nnx_shard._sharding import Tactic, validate_spec
 from nnx_shard.errors import ShardingConflictError
 
 
