@@ -26,7 +26,7 @@ from nnx_shard._checkpoint._directory import (
     save_failed,
     unreadable,
 )
-from nnx_shard._checkpoint._faults import is_storage_error, storage_faults
+from nnx_shard._checkpoint._faults import StorageAction, is_storage_error, storage_faults
 from nnx_shard._checkpoint._format import (
     describe_strategy,
     mesh_metadata,
@@ -34,7 +34,7 @@ from nnx_shard._checkpoint._format import (
     tree_fingerprints,
     write_file_manifest,
 )
-from nnx_shard._checkpoint._reads import CheckpointReads, registry
+from nnx_shard._checkpoint._reads import CheckpointReader, registry
 from nnx_shard._checkpoint._workdir import set_aside_folder
 from nnx_shard._cluster import barrier_sync
 from nnx_shard._version import __version__
@@ -69,7 +69,7 @@ def _policy(max_to_keep: int | None, best_metric: str | None, best_mode: str) ->
     return policies.AnyPreservationPolicy([best, policies.LatestN(n=1)])
 
 
-class Checkpointer(CheckpointReads):
+class Checkpointer:
     """Saves and restores a model + optimizer + EMA with Orbax, resharding on restore.
 
     Async by default; keeps the last ``max_to_keep`` steps, or the best
@@ -122,8 +122,6 @@ class Checkpointer(CheckpointReads):
         self.best_mode = best_mode
         self.verify = verify
         self._unsealed: list[int] = []  # saved steps whose file manifest is not written yet
-        self._budgeted: dict[int, ocp.CheckpointManager] = {}  # readers with a host-memory budget
-        self._saved_items: dict[int, list[str]] = {}  # per step, its top-level items (from its metadata)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_policy(max_to_keep, best_metric, best_mode),
             # best_fn makes Orbax record each step's metrics (it ranks nothing here: the policy does).
@@ -139,6 +137,7 @@ class Checkpointer(CheckpointReads):
         self.last_skip_reason: str | None = None
         self.barrier_timeout = 200.0
         self._closed = False
+        self._reads = CheckpointReader(self.directory, verify, options, lambda: self.manager)
         _OPEN.add(self)
 
     @property
@@ -147,7 +146,7 @@ class Checkpointer(CheckpointReads):
         if self._manager is None:
             if self._closed:
                 raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")
-            with self._storage(None, "opening"):
+            with self._storage(None, StorageAction.OPENING):
                 remove_leftovers(self.directory)  # of interrupted saves, with a note
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=self._options, handler_registry=registry()
@@ -205,8 +204,8 @@ class Checkpointer(CheckpointReads):
             start = time.perf_counter()
             meta["fingerprints"] = tree_fingerprints(states)
             logger.info("fingerprinted step %d in %.3f s", step, time.perf_counter() - start)
-        with self._storage(step, "saving"):
-            if not self._exists():
+        with self._storage(step, StorageAction.SAVING):
+            if not self.directory.exists():
                 self.directory.mkdir(parents=True, exist_ok=True)
             self._pending = step
             started = self.manager.save(
@@ -248,7 +247,7 @@ class Checkpointer(CheckpointReads):
           CheckpointSaveError: that save failed; its partial files are removed.
         """
         step = self._pending
-        with self._storage(step, "saving"):
+        with self._storage(step, StorageAction.SAVING):
             if self._manager is not None:
                 self._manager.wait_until_finished()
             if self.verify:
@@ -273,13 +272,13 @@ class Checkpointer(CheckpointReads):
         return save_failed(self.directory, step, error)
 
     @contextlib.contextmanager
-    def _storage(self, step: int | None, doing: str) -> Iterator[list[str]]:
-        """Turns storage faults raised inside into our errors (see :func:`storage_faults`)."""
+    def _storage(self, step: int | None, action: StorageAction) -> Iterator[list[str]]:
+        """Turns storage faults raised inside into the error of ``action`` (see :func:`storage_faults`)."""
 
         def convert(e: BaseException, hidden: list[str]) -> BaseException:
-            if doing == "saving":
+            if action is StorageAction.SAVING:
                 return self._save_failed(step, e)
-            if doing == "setting aside":
+            if action is StorageAction.SETTING_ASIDE:
                 return move_failed(self.directory, e)
             others = [s for s in self.all_steps() if s != step] if step is not None else []
             return unreadable(self.directory, step, e, hidden, others)
@@ -297,12 +296,10 @@ class Checkpointer(CheckpointReads):
         self.wait_until_finished()
         folder = set_aside_folder(self.directory, kind)
         if jax.process_index() == 0 and steps:
-            with self._storage(None, "setting aside"):
+            with self._storage(None, StorageAction.SETTING_ASIDE):
                 move_steps(self.directory, steps, folder)
         barrier_sync(f"nnx_shard/set_aside/{kind}", timeout=self.barrier_timeout)
-        self._saved_items = {k: v for k, v in self._saved_items.items() if k not in steps}
-        for reader in self._budgeted.values():
-            reader.reload()
+        self._reads.forget(steps)
         if steps:
             warnings.warn(
                 f"set aside steps {steps} of {self.directory} in {folder}: {why}.",
@@ -310,6 +307,71 @@ class Checkpointer(CheckpointReads):
                 stacklevel=3,
             )
         return folder
+
+    # -- reads (a CheckpointReader does them) ------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The steps on disk, oldest first (empty when the directory does not exist)."""
+        return self._reads.all_steps()
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
+        return self._reads.metadata(step)
+
+    def items(self, step: int) -> list[str]:
+        """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
+        return self._reads.items(step)
+
+    def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
+        """Raises CheckpointMismatchError naming the paths and shapes that differ from ``target``'s.
+
+        With ``items`` (a partial restore), only the saved leaves under those
+        top-level keys are compared; within them the structure must match exactly.
+        """
+        self._reads.check_structure(step, target, items=items)
+
+    def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
+        """The step to read (default: the latest), once it exists and matches ``target``'s structure.
+
+        Raises:
+          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
+        """
+        return self._reads.validate(step, target, items=items)
+
+    def read(
+        self, step: int, target: Any, *, partial: bool = False, max_host_bytes: int | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reads a :meth:`validate`-d step straight into ``target``'s shardings: ``(states, metadata)``.
+
+        With ``partial``, only the leaves in ``target`` are read. Typed PRNG keys
+        come back as keys. When the checkpoint carries fingerprints (and
+        ``verify`` is on), the restored arrays are checked against them.
+        ``max_host_bytes`` bounds the bytes Orbax holds in host memory for
+        reads in flight at once (its restore byte limiter).
+
+        Raises:
+          CheckpointCorruptError: the data cannot be read, or differs from what
+            was saved (the arrays are named); nothing live is touched.
+        """
+        return self._reads.read(step, target, partial=partial, max_host_bytes=max_host_bytes)
+
+    def restore(
+        self, step: int | None, target: Any, *, items: Sequence[str] | None = None
+    ) -> tuple[int, Any, dict[str, Any]]:
+        """Validates and reads ``step`` (default: the latest) straight into ``target``'s shardings.
+
+        Args:
+          step: the step, or None for the latest.
+          target: :func:`nnx_shard.abstract_target` output: abstract arrays with shardings.
+          items: restore only these top-level items (``target`` holds just them).
+
+        Returns:
+          ``(step, states, metadata)``; nothing live is touched.
+
+        Raises:
+          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
+        """
+        return self._reads.restore(step, target, items=items)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -328,9 +390,7 @@ class Checkpointer(CheckpointReads):
 
     def close(self) -> None:
         """Waits for a background save and releases Orbax's resources (idempotent)."""
-        for reader in self._budgeted.values():
-            reader.close()
-        self._budgeted.clear()
+        self._reads.close()
         self._closed = True
         _OPEN.discard(self)
         if self._manager is not None:

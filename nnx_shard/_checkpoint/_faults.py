@@ -11,6 +11,7 @@ its type alone: a ``TypeError`` raised by a bug keeps its own type.
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 import json
 import logging
@@ -56,6 +57,14 @@ def chain(error: BaseException) -> Iterator[BaseException]:
         for nxt in (e.__cause__, e.__context__):
             if nxt is not None:
                 todo.append(nxt)
+
+
+class StorageAction(enum.Enum):
+    """What a storage fault interrupted: it decides which error reports it."""
+
+    OPENING = "opening"
+    SAVING = "saving"
+    SETTING_ASIDE = "setting aside"
 
 
 def is_storage_error(error: BaseException) -> bool:

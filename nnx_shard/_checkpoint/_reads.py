@@ -5,14 +5,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from nnx_shard._checkpoint._directory import corrupted, read_limit
+from nnx_shard._checkpoint._directory import corrupted, read_limit, unreadable
+from nnx_shard._checkpoint._faults import storage_faults
 from nnx_shard._checkpoint._format import (
     changed_files,
     leaf_paths,
@@ -39,24 +40,46 @@ def registry(restore_bytes: int | None = None) -> Any:
     return registry
 
 
-class CheckpointReads:
-    """The reading half of :class:`nnx_shard.Checkpointer` (which holds the Orbax manager and the writes)."""
+class CheckpointReader:
+    """A checkpoint directory's reads: steps, metadata, structure checks and reads into target shardings.
 
-    directory: epath.Path
-    verify: bool
-    _options: Any
-    _saved_items: dict[int, list[str]]
-    _budgeted: dict[int, ocp.CheckpointManager]
+    The :class:`nnx_shard.Checkpointer` holds one and opens Orbax's manager for
+    it (``manager`` is called on each read, so a manager reopened after a
+    failed save is the one read through).
+    """
+
+    def __init__(self, directory: epath.Path, verify: bool, options: Any, manager: Callable[[], Any]):
+        self.directory, self.verify = directory, verify
+        self._options, self._manager = options, manager
+        self._saved_items: dict[int, list[str]] = {}  # per step, its top-level items (from its metadata)
+        self._budgeted: dict[int, ocp.CheckpointManager] = {}  # readers with a host-memory budget
 
     @property
     def manager(self) -> ocp.CheckpointManager:
-        raise NotImplementedError
+        return self._manager()
 
     def _exists(self) -> bool:
         return self.directory.exists()
 
-    def _storage(self, step: int | None, doing: str) -> contextlib.AbstractContextManager[list[str]]:
-        raise NotImplementedError
+    def _storage(self, step: int | None) -> contextlib.AbstractContextManager[list[str]]:
+        """A storage fault inside a read becomes the error that names the step and what was unreadable."""
+
+        def convert(e: BaseException, hidden: list[str]) -> BaseException:
+            others = [s for s in self.all_steps() if s != step] if step is not None else []
+            return unreadable(self.directory, step, e, hidden, others)
+
+        return storage_faults(convert)
+
+    def forget(self, steps: Sequence[int]) -> None:
+        """``steps`` left the directory: their cached items go, and the budgeted readers list the rest."""
+        self._saved_items = {k: v for k, v in self._saved_items.items() if k not in steps}
+        for reader in self._budgeted.values():
+            reader.reload()
+
+    def close(self) -> None:
+        for reader in self._budgeted.values():
+            reader.close()
+        self._budgeted.clear()
 
     def all_steps(self) -> list[int]:
         """The steps on disk, oldest first (empty when the directory does not exist)."""
@@ -68,7 +91,7 @@ class CheckpointReads:
     def metadata(self, step: int) -> dict[str, Any]:
         """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
         self._check_step(step)
-        with self._storage(step, "reading"):
+        with self._storage(step):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if not isinstance(meta, Mapping):
             raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
@@ -82,7 +105,7 @@ class CheckpointReads:
 
     def _saved_tree(self, step: int) -> Any:
         """The saved state's tree metadata (``state/_METADATA``), read as a storage fault would be reported."""
-        with self._storage(step, "reading"):
+        with self._storage(step):
             items = self.manager.metadata(step).item_metadata
             tree = items.get("state") if items is not None else None
         if not tree:
@@ -112,7 +135,7 @@ class CheckpointReads:
         With ``items`` (a partial restore), only the saved leaves under those
         top-level keys are compared; within them the structure must match exactly.
         """
-        with self._storage(step, "reading"):
+        with self._storage(step):
             changed = changed_files(self.directory / str(step)) if self.verify else []
         if changed:
             raise self._corrupted(
@@ -167,7 +190,7 @@ class CheckpointReads:
             was saved (the arrays are named); nothing live is touched.
         """
         stored, keys = storage_target(target)
-        with self._storage(step, "reading"):
+        with self._storage(step):
             out = self._reader(max_host_bytes, stored).restore(
                 step,
                 args=ocp.args.Composite(
