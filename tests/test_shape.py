@@ -14,18 +14,23 @@ from tests.trainer_app import RegressionTrainer, batch_for, config
 
 
 def test_clear_caches_empties_every_cache_and_removes_the_compile_listener():
-    from nnx_shard._base._caches import _CACHES
-    from nnx_shard._trainer import _observe
+    from nnx_shard._base._caches import _CACHES, COMPILE_CLOCK
 
     src = jax.sharding.NamedSharding(ns.create_mesh((8,), ("fsdp",)), jax.P("fsdp"))
     dst = jax.sharding.NamedSharding(
         ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4]), jax.P("fsdp")
     )
     ns.reshard(jax.device_put(np.arange(4096.0), src), dst)  # compiles and caches a program
-    _observe.compile_seconds()
-    assert _observe._LISTENING[0] and sum(c.cache_info().currsize for c in _CACHES) > 0
+    COMPILE_CLOCK.stop()
+    seconds = COMPILE_CLOCK.seconds
+    jax.jit(lambda x: x + 1.5)(1.0)
+    assert COMPILE_CLOCK.seconds == seconds and not COMPILE_CLOCK.listening  # reading registers nothing
+    COMPILE_CLOCK.start()
+    assert COMPILE_CLOCK.listening and sum(c.cache_info().currsize for c in _CACHES) > 0
+    jax.jit(lambda x: x + 2.5)(1.0)
+    assert COMPILE_CLOCK.seconds > seconds  # started: the compile is counted
     assert ns.clear_caches() > 0
-    assert sum(c.cache_info().currsize for c in _CACHES) == 0 and not _observe._LISTENING[0]
+    assert sum(c.cache_info().currsize for c in _CACHES) == 0 and not COMPILE_CLOCK.listening
     y = ns.reshard(jax.device_put(np.arange(4096.0), src), dst)  # rebuilt on next use
     assert np.array_equal(np.asarray(y), np.arange(4096.0))
 

@@ -2,7 +2,7 @@
 
 # _versions first: a jax/flax pair that cannot import is named before anything imports flax
 from nnx_shard._base import _versions  # noqa: F401
-from nnx_shard._base._caches import cached, clear_caches, on_clear
+from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, cached, clear_caches
 from nnx_shard._base._format import format_bytes, format_table
 from nnx_shard._base._jax_private import abstract_construction, distributed_client
 from nnx_shard._base._mesh import (
@@ -46,9 +46,11 @@ from nnx_shard._base._specs import (
 from nnx_shard._base._visibility import check_model
 
 __all__ = [
+    "COMPILE_CLOCK",
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
     "WHOLE",
+    "CompileClock",
     "Leaf",
     "Spec",
     "SpecEntry",
@@ -77,7 +79,6 @@ __all__ = [
     "itemsize",
     "mesh_from_string",
     "normalize_spec",
-    "on_clear",
     "parse_mesh_dims",
     "path_str",
     "resolve_mesh",

@@ -2,19 +2,22 @@
 
 Every module-level cache is made with :func:`cached`, so :func:`clear_caches`
 empties them all at once (in tests, or to free the compiled programs of a
-mesh that is gone). Anything else that holds process state (the listener for
-JAX's compile events) registers a ``clear`` callback here too.
+mesh that is gone). The one other piece of process state, the listener for
+JAX's compile events (:data:`COMPILE_CLOCK`), is owned here too: started
+explicitly, stopped by :func:`clear_caches`.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
+
 F = TypeVar("F", bound=Callable[..., Any])
 _CACHES: list[Any] = []
-_CLEARERS: list[Callable[[], None]] = []
 
 
 def cached(maxsize: int | None = 256) -> Callable[[F], F]:
@@ -28,10 +31,54 @@ def cached(maxsize: int | None = 256) -> Callable[[F], F]:
     return deco
 
 
-def on_clear(fn: Callable[[], None]) -> Callable[[], None]:
-    """Registers ``fn`` to run in :func:`clear_caches` (process state that is not an ``lru_cache``)."""
-    _CLEARERS.append(fn)
-    return fn
+class CompileClock:
+    """Seconds JAX spends compiling in this process, from its monitoring events, while started.
+
+    Reading :attr:`seconds` registers nothing; :meth:`start` adds the listener
+    (once) and :meth:`stop` (or :func:`clear_caches`) removes it.
+
+    >>> clock = CompileClock()
+    >>> clock.listening, clock.seconds
+    (False, 0.0)
+    >>> clock.start(); _ = jax.jit(lambda x: x * 3)(1.0); clock.stop()
+    >>> clock.listening, clock.seconds > 0
+    (False, True)
+    """
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._listening = False
+        self._lock = threading.Lock()
+
+    @property
+    def seconds(self) -> float:
+        """The compile seconds counted while started (it keeps counting across starts)."""
+        return self._seconds
+
+    @property
+    def listening(self) -> bool:
+        return self._listening
+
+    def _listen(self, name: str, seconds: float, **kwargs: Any) -> None:
+        if name.startswith("/jax/core/compile/"):
+            self._seconds += seconds
+
+    def start(self) -> None:
+        """Listens to JAX's compile events (a second call does nothing)."""
+        with self._lock:
+            if not self._listening:
+                jax.monitoring.register_event_duration_secs_listener(self._listen)
+                self._listening = True
+
+    def stop(self) -> None:
+        """Removes the listener (a stopped clock does nothing)."""
+        with self._lock:
+            if self._listening:
+                jax.monitoring.unregister_event_duration_listener(self._listen)
+                self._listening = False
+
+
+COMPILE_CLOCK = CompileClock()  # the process's one listener: started by the Trainer, stopped by clear_caches
 
 
 def clear_caches() -> int:
@@ -46,6 +93,5 @@ def clear_caches() -> int:
     dropped = sum(c.cache_info().currsize for c in _CACHES)
     for c in _CACHES:
         c.cache_clear()
-    for fn in _CLEARERS:
-        fn()
+    COMPILE_CLOCK.stop()
     return dropped

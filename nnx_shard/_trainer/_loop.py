@@ -18,9 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from nnx_shard._base import COMPILE_CLOCK
 from nnx_shard._checkpoint import SnapshotWriter
 from nnx_shard._trainer import _data, _guard
-from nnx_shard._trainer._observe import compile_seconds
 from nnx_shard._trainer._recovery import RecoveryHost, is_restart, recovery_fields, snapshot, start_snapshots
 from nnx_shard._trainer._watchdog import Watchdog
 
@@ -233,10 +233,10 @@ class TrainingLoop:
 
 def _first_step_recovered(host: LoopHost, batch: Any) -> Any:
     """Runs the first step of a restarted job to completion and logs the ``recovered`` event."""
-    began, before = time.time(), compile_seconds()
+    began, before = time.time(), COMPILE_CLOCK.seconds
     metrics = jax.block_until_ready(host.run_step(batch))
     seconds = time.time() - began
-    fields = recovery_fields(host, began, seconds, compile_seconds() - before)
+    fields = recovery_fields(host, began, seconds, COMPILE_CLOCK.seconds - before)
     if fields is not None:
         host.observer.event("recovered", seconds, host.step, **fields)
     return metrics

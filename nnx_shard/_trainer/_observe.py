@@ -13,34 +13,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_shard._base import flatten_with_paths, is_variable, on_clear
+from nnx_shard._base import flatten_with_paths, is_variable
 
 logger = logging.getLogger("nnx_shard")
-
-_COMPILE_SECONDS = [0.0]
-_LISTENING: list[Any] = [False, None]  # listening, and the listener (to remove it)
-
-
-def compile_seconds() -> float:
-    """Seconds JAX has spent compiling in this process since the first Trainer (its monitoring events)."""
-    if not _LISTENING[0]:
-        _LISTENING[0] = True
-
-        def listen(name: str, seconds: float, **kwargs: Any) -> None:
-            if name.startswith("/jax/core/compile/"):
-                _COMPILE_SECONDS[0] += seconds
-
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        _LISTENING[1] = listen
-    return _COMPILE_SECONDS[0]
-
-
-@on_clear
-def stop_listening() -> None:
-    """Removes the compile-event listener (``ns.clear_caches()``); the next Trainer adds it again."""
-    if _LISTENING[0]:
-        jax.monitoring.unregister_event_duration_listener(_LISTENING[1])
-        _LISTENING[0], _LISTENING[1] = False, None
 
 
 def injected_learning_rate(optimizer: nnx.Optimizer) -> Any:

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import mesh_from_string
+from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
 from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport
 from nnx_shard._cluster import data_sharding, host_local_to_global, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
@@ -24,7 +24,7 @@ from nnx_shard._trainer._finetune import frozen_for_restore, labels, refresh_ema
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._loop import Hook, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
-from nnx_shard._trainer._observe import Observer, compile_seconds, injected_learning_rate
+from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
 from nnx_shard._trainer._step import CompiledEval, CompiledSteps
 from nnx_shard._trainer._watchdog import Watchdog
@@ -105,7 +105,7 @@ class Trainer(AheadOfTime):
         self._resumed = False
         self._param_shardings: dict[str, Any] | None = None
         self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
-        compile_seconds()  # start listening to JAX's compile events
+        COMPILE_CLOCK.start()  # the compile events: how long each new batch signature took
 
     # -- what a subclass gives ------------------------------------------------
 
@@ -266,11 +266,11 @@ class Trainer(AheadOfTime):
         """
         self.init()
         fresh = not self._steps.is_compiled(batch)
-        before = compile_seconds()
+        before = COMPILE_CLOCK.seconds
         metrics = self._steps.run(batch)
         if fresh:
             shapes = str([s for s, _ in _data.signature(batch)[1]])
-            self.observer.event("compile", compile_seconds() - before, self.step, shapes=shapes)
+            self.observer.event("compile", COMPILE_CLOCK.seconds - before, self.step, shapes=shapes)
         return metrics
 
     def global_batch(self, batch: Any) -> Any:
