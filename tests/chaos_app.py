@@ -89,7 +89,7 @@ def _arm(trainer, kill: str, seed: int) -> None:
 
     if kill.startswith("after_step_"):
         at = int(kill.rsplit("_", 1)[1])
-        trainer.add_hook(lambda step, metrics, t: _kill() if step == at else None)
+        trainer.add_callback(lambda step, metrics, t: _kill() if step == at else None)
     elif kill == "before_save_6":
         save = ckpt_module.Checkpointer.save
 

@@ -98,7 +98,7 @@ def main() -> None:
             if step == at and jax.process_index() == who:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        trainer.add_hook(kill)
+        trainer.add_callback(kill)
     if args.flip and restart > 0:  # memory gone bad on a survivor: every snapshot it holds has a flipped byte
         for f in Path(args.workdir, "snapshots").glob(
             f"run-{restart - 1}/process-{info.previous_id}/*/*.bin"
@@ -107,7 +107,7 @@ def main() -> None:
             data[-1] ^= 0xFF
             f.write_bytes(bytes(data))
     if args.hang_at >= 0:
-        trainer.add_hook(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
+        trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
     history = trainer.train(lambda step: batch_for(step, rows=ROWS))
     kernel = trainer.states["model"]["out"]["kernel"].get_value()
     result = {

@@ -118,6 +118,64 @@ def test_every_module_and_folder_opens_with_one_line_saying_what_it_holds():
     assert set(LAYERS) >= {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
 
 
+def test_every_attribute_is_set_in_init():
+    """A method may change an attribute, never add one: a class's attributes are all in its ``__init__``."""
+    bad = []
+    for name, path in modules().items():
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+            declared = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)} | {
+                t.id
+                for n in cls.body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
+            init = methods.get("__init__") or methods.get("__post_init__")
+            in_init = {a for a, _ in _self_assignments(init)} if init else set()
+            for method in methods.values():
+                if method is not init:
+                    bad += [
+                        f"{name}:{line} {cls.name}.{method.name} adds self.{a}"
+                        for a, line in _self_assignments(method)
+                        if a not in in_init | declared | set(methods)
+                    ]
+    assert not bad, "\n".join(bad)
+
+
+def _self_assignments(fn: ast.FunctionDef) -> set[tuple[str, int]]:
+    out = set()
+    for n in ast.walk(fn):
+        targets = (
+            n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        )
+        for t in targets:
+            for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    out.add((e.attr, n.lineno))
+    return out
+
+
+def test_no_class_is_cut_in_two_through_inheritance():
+    """A package class derives from one of ours only when that is an interface (a Protocol, or a base of
+    several, as Tactic): never a half-class with one subclass, holding part of its fields and methods."""
+    ours: dict[str, tuple[str, list[str]]] = {}
+    for name, path in modules().items():
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            ours[cls.name] = (name, [ast.unparse(b) for b in cls.bases])
+    subclasses = {b: [c for c, (_, bases) in ours.items() if b in bases] for b in ours}
+    bad = [
+        f"{where}: {cls}({base}), the only subclass of {base}"
+        for cls, (where, bases) in ours.items()
+        for base in bases
+        if base in ours
+        and where != "errors"
+        and "Protocol" not in ours[base][1]
+        and len(subclasses[base]) < 2
+    ]
+    assert not bad, bad
+
+
 def test_the_import_graph_has_no_cycle():
     edges, state, cycle = graph(), {}, []
 

@@ -404,7 +404,7 @@ def poisoned(bad_steps):
 def test_a_nan_stops_the_run_without_applying_or_saving_it(tmp_path):
     trainer = RegressionTrainer(sync(tmp_path, total_steps=12, save_every=2))
     digests = {}
-    trainer.add_hook(lambda step, m, t: digests.setdefault(step, digest(t)), every=1)
+    trainer.add_callback(lambda step, m, t: digests.setdefault(step, digest(t)), every=1)
     trainer.train(poisoned({6}))  # batch_for(6) is the batch of step 7
     assert trainer.stop_reason == "non-finite loss at step 7"
     assert trainer.step == 6 and digest(trainer) == digests[6]  # the state from before the bad step
@@ -420,7 +420,7 @@ def test_a_nan_stops_the_run_without_applying_or_saving_it(tmp_path):
 def test_skip_leaves_the_state_as_before_and_counts_the_skipped_steps(tmp_path):
     trainer = RegressionTrainer({**config(""), "total_steps": 8, "on_nonfinite": "skip", "log_every": 1})
     digests = {}
-    trainer.add_hook(lambda step, m, t: digests.setdefault(step, digest(t)), every=1)
+    trainer.add_callback(lambda step, m, t: digests.setdefault(step, digest(t)), every=1)
     history = trainer.train(poisoned({3, 4}))
     assert trainer.stop_reason == "finished" and trainer.step == 8
     assert digests[4] == digests[5] == digests[3]  # steps 4 and 5 changed nothing

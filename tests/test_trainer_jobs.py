@@ -210,7 +210,7 @@ def test_gradient_accumulation_with_multisteps_shards_accumulators_like_paramete
     assert not np.array_equal(kernel(), before)  # applied every 2 steps
 
 
-def test_user_hooks_run_every_n_steps_and_can_stop_the_run(tmp_path):
+def test_user_callbacks_run_every_n_steps_and_can_stop_the_run(tmp_path):
     trainer = LMTrainer(config(str(tmp_path), log_every=100, total_steps=20))
     seen = []
 
@@ -219,13 +219,16 @@ def test_user_hooks_run_every_n_steps_and_can_stop_the_run(tmp_path):
         if step == 6:
             t.request_stop("early stopping: patience ran out")
 
-    trainer.add_hook(record, every=3)
+    trainer.add_callback(record, every=3)
     history = trainer.train(ResumableBatches(records()))
     assert [s for s, _ in seen] == [3, 6] and all(np.isfinite(v) for _, v in seen)
     assert trainer.stop_reason == "stopped: early stopping: patience ran out" and trainer.step == 6
     assert trainer.checkpointer.latest_step() == 6 and history[-1]["step"] == 6
-    with pytest.raises(ns.ConfigError, match=r"add_hook\(every=\.\.\.\) takes a whole number"):
-        trainer.add_hook(record, every=0)
+    with pytest.raises(ns.ConfigError, match=r"add_callback\(every=\.\.\.\) takes a whole number"):
+        trainer.add_callback(record, every=0)
+    with pytest.warns(DeprecationWarning, match="Trainer.add_hook is now Trainer.add_callback"):
+        trainer.add_hook(record, every=5)  # the old name still registers, and says the new one
+    assert trainer.loop.callbacks[-1] == (record, 5)
 
 
 def test_bf16_compute_with_float32_parameters_in_the_example_config():

@@ -130,7 +130,7 @@ def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: 
     kernel = trainer.states["model"]["l1"]["kernel"].get_value()
     lock = os.path.join(workdir, "nnx_shard.lock")
     holders = []  # whose pid the workdir lock names while training (process 0's, for every process)
-    trainer.add_hook(
+    trainer.add_callback(
         lambda s, m, t: holders.append(json.load(open(lock))["pid"] if os.path.exists(lock) else None)
     )
     history = trainer.train(batch_for)

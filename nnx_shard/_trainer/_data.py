@@ -10,7 +10,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from nnx_shard._cluster import data_sharding, host_local_to_global
 from nnx_shard.errors import BatchStructureError, ConfigError
 
 TOKEN_KEYS = ("tokens", "input_ids", "inputs_ids", "token_ids")
@@ -148,3 +150,12 @@ def host_scalars(values: Mapping[str, Any]) -> dict[str, float]:
                 value = multihost_utils.process_allgather(value, tiled=True)
         out[key] = float(np.asarray(value))
     return out
+
+
+def global_batch(batch: Any, mesh: Mesh) -> Any:
+    """A host-local batch (numpy) as a global batch on ``mesh``'s data axes; global arrays there pass through."""
+    target = data_sharding(mesh)
+    leaves = jax.tree.leaves(batch)
+    if leaves and all(isinstance(x, jax.Array) and x.sharding == target for x in leaves):
+        return batch
+    return host_local_to_global(batch, mesh)

@@ -10,8 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_shard._base import check_model, flatten_with_paths
-from nnx_shard._checkpoint import storable, tree_fingerprints
-from nnx_shard.errors import CheckpointError, CheckpointMismatchError
 
 logger = logging.getLogger("nnx_shard")
 
@@ -55,44 +53,3 @@ def labels(model_state: Any, wrt: Any) -> dict[str, str]:
 def frozen_filter(wrt: Any) -> Any:
     """The parameters ``wrt`` leaves out: what ``save_frozen=False`` keeps out of checkpoints."""
     return nnx.All(nnx.Param, nnx.Not(wrt))
-
-
-def states_to_save(
-    states: dict[str, Any], wrt: Any, save_frozen: bool, extra: dict[str, Any]
-) -> dict[str, Any]:
-    """The states a checkpoint holds: without the frozen parameters when ``save_frozen`` is False, their
-    fingerprints then going into ``extra`` (``frozen_fingerprints``) for the restore to check."""
-    if save_frozen:
-        return states
-    frozen, rest = nnx.split_state(states["model"], frozen_filter(wrt), ...)
-    extra["frozen_fingerprints"] = tree_fingerprints(storable(frozen)[0])
-    return {**states, "model": rest}
-
-
-def frozen_for_restore(checkpointer: Any, step: int | None, items: Any, live_model: Any, wrt: Any) -> Any:
-    """The filter of the parameters ``step`` was saved without (None when it holds them all), once the live
-    ones are the same weights it was trained on.
-
-    Raises:
-      CheckpointMismatchError: the live frozen parameters differ from those the checkpoint was saved with.
-    """
-    steps = checkpointer.all_steps()
-    if (items and "model" not in items) or (step is None and not steps):
-        return None  # the restore itself says there is nothing to read
-    try:
-        meta = checkpointer.metadata(steps[-1] if step is None else step)
-    except CheckpointError:  # a missing or damaged step: the restore names it, its files checked first
-        return None
-    saved = meta.get("frozen_fingerprints")
-    if saved is None:
-        return None
-    frozen = nnx.split_state(live_model, frozen_filter(wrt), ...)[0]
-    live = tree_fingerprints(storable(frozen)[0])
-    differ = sorted(p for p in set(saved) | set(live) if saved.get(p) != live.get(p))
-    if differ:
-        raise CheckpointMismatchError(
-            f"step {meta.get('step')} was saved without its frozen parameters (save_frozen=False), and the "
-            f"model's frozen parameters differ from the ones it was trained on: {differ[:8]}"
-            f"{' ...' if len(differ) > 8 else ''}. Load the same base weights (Trainer.load_pretrained) first."
-        )
-    return frozen_filter(wrt)

@@ -1,9 +1,9 @@
-"""The training loop: steps, logging a step late, eval, saves, hooks, preemption and why the run ended.
+"""The training loop: steps, logging a step late, eval, saves, callbacks, preemption and why the run ended.
 
 The loop is a :class:`TrainingLoop` the Trainer holds. It runs a
 :class:`LoopHost`: the Trainer's public members it uses are listed there,
 and ``step`` (which it advances) and ``last_eval`` are the only ones it
-writes. Why a run stopped, the stop request and the user's hooks are the
+writes. Why a run stopped, the stop request and the user's callbacks are the
 loop's own state.
 """
 
@@ -25,7 +25,7 @@ from nnx_shard._trainer._recovery import RecoveryHost, is_restart, recovery_fiel
 from nnx_shard._trainer._watchdog import Watchdog
 
 logger = logging.getLogger("nnx_shard")
-Hook = Callable[[int, dict[str, float], Any], Any]  # (step, metrics, trainer)
+Callback = Callable[[int, dict[str, float], Any], Any]  # (step, metrics, trainer)
 
 
 @runtime_checkable
@@ -55,19 +55,19 @@ class TrainingLoop:
     """The body of ``Trainer.train``: runs a :class:`LoopHost` from its step to an end step.
 
     Holds what a run decides by itself: ``stop_reason``, a stop requested by
-    :meth:`request_stop`, a SIGTERM seen, the user's hooks, and the batches
+    :meth:`request_stop`, a SIGTERM seen, the user's callbacks, and the batches
     being read (their position is saved with each checkpoint).
     """
 
     def __init__(self) -> None:
         self.stop_reason: str | None = None
-        self.hooks: list[tuple[Hook, int]] = []
+        self.callbacks: list[tuple[Callback, int]] = []
         self.batches: _data.Batches | None = None
         self._stop_request: str | None = None
         self._preempted = False
 
-    def add_hook(self, fn: Hook, every: int) -> None:
-        self.hooks.append((fn, every))
+    def add_callback(self, fn: Callback, every: int) -> None:
+        self.callbacks.append((fn, every))
 
     def request_stop(self, reason: str) -> None:
         self._stop_request = reason
@@ -201,12 +201,12 @@ class TrainingLoop:
         return True
 
     def _after_step(self, host: LoopHost, run: StepLog, eval_data: Any) -> bool:
-        """Eval, saves, hooks and stop checks after a step; True ends the loop."""
+        """Eval, saves, callbacks and stop checks after a step; True ends the loop."""
         step, cfg = host.step, host.config
         evaluate = eval_data is not None and cfg.eval_every and step % cfg.eval_every == 0
         save = cfg.save_every and step % cfg.save_every == 0
-        hooks = [fn for fn, every in self.hooks if step % every == 0]
-        metrics = run.flush(current=True) if evaluate or save or hooks else None
+        callbacks = [fn for fn, every in self.callbacks if step % every == 0]
+        metrics = run.flush(current=True) if evaluate or save or callbacks else None
         if evaluate:
             started = time.perf_counter()
             host.last_eval = host.evaluate(eval_data())
@@ -219,7 +219,7 @@ class TrainingLoop:
                 return True
             host.watchdog.arm(f"the save of step {step}", cfg.save_timeout, "save_timeout")
             host.save(metrics=host.last_eval if evaluate else None)
-        for fn in hooks:
+        for fn in callbacks:
             fn(step, dict(metrics or {}), host)
         if self._preemption_requested(step):
             logger.warning("preemption requested at step %d: saving and stopping", step)

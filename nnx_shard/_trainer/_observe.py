@@ -85,6 +85,7 @@ class Observer:
         self._bar: Any = None
         self._writer: Any = None
         self._end: int | None = None
+        self.mode = "lines"  # "bar", "lines" or "off", chosen by start(); events before it are lines
         self.timings: collections.Counter[str] = collections.Counter()  # seconds per event name
 
     def start(self, step: int, end: int) -> None:
@@ -106,7 +107,7 @@ class Observer:
         if self._bar is not None:
             self._bar.update(int(record["step"]) - self._bar.n)
             self._bar.set_postfix({k: round(v, 4) for k, v in record.items() if k != "step"}, refresh=False)
-        elif getattr(self, "mode", "lines") == "lines":
+        elif self.mode == "lines":
             print(format_line(record, self._end), flush=True)
         self._append({"time": time.time(), **record})
         writer = self._tensorboard()
@@ -130,7 +131,7 @@ class Observer:
         text = f"event {name}: {seconds:.3f} s at step {step}{extra}"
         if self._bar is not None:
             self._bar.write(text)
-        elif getattr(self, "mode", "lines") == "lines":
+        elif self.mode == "lines":
             print(text, flush=True)
         self._append(
             {"time": time.time(), "event": name, "seconds": round(seconds, 6), "step": step, **fields}

@@ -2,42 +2,65 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._cluster import data_sharding
-from nnx_shard._live import ShardingHooks
-from nnx_shard._sharding import auto_axes_on, on_mesh
+from nnx_shard._sharding import ShardingPlan, auto_axes_on, on_mesh
 from nnx_shard._trainer import _data, _guard
 
 TrainStep = Callable[[nnx.Module, nnx.Optimizer, "nnx.EMA | None", Any], dict[str, Any]]
 
 
+_TRACING: contextvars.ContextVar[CompiledSteps | None] = contextvars.ContextVar(
+    "nnx_shard_traced_steps", default=None
+)
+
+
+def traced_steps() -> CompiledSteps | None:
+    """The steps whose program is being traced here (its mesh and plan), or None outside a trace."""
+    return _TRACING.get()
+
+
+@contextlib.contextmanager
+def _tracing(steps: CompiledSteps) -> Iterator[None]:
+    token = _TRACING.set(steps)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
 class CompiledSteps:
-    """Jitted steps by batch signature over the hooks' shardings, with the non-finite counters beside the state.
+    """Jitted steps by batch signature over one mesh and plan, with the non-finite counters beside the state.
 
     A step takes and returns ``(states, counters, batch)`` / ``(states,
     counters, metrics)``. A step whose loss or gradient norm is not finite
     returns the state it was given (``mode`` ``"stop"`` also holds every later
     step); see :mod:`nnx_shard._trainer._guard`. The counters are not donated:
-    the loop reads the previous step's after the next is dispatched.
+    the loop reads the previous step's after the next is dispatched. While a
+    step traces, :func:`traced_steps` gives these steps (the gradient norm
+    reads the mesh and plan there).
     """
 
-    def __init__(self, hooks: ShardingHooks, train_step: TrainStep, mode: str):
-        self.hooks, self.train_step, self.mode = hooks, train_step, mode
-        self.graphdefs: dict[str, Any] = {}
+    def __init__(
+        self, mesh: Mesh, plan: ShardingPlan, train_step: TrainStep, mode: str, graphdefs: dict[str, Any]
+    ):
+        self.mesh, self.plan, self.train_step, self.mode = mesh, plan, train_step, mode
+        self.graphdefs = dict(graphdefs)
         self._compiled: dict[Any, Any] = {}
         self._first_signature: Any = None
         self._counters: dict[str, Any] | None = None
 
-    def reset(self) -> None:
-        """After a resize: recompile for the new shardings, counters back to zero on the new mesh."""
-        self._compiled.clear()
-        self._counters = None
+    def moved(self, mesh: Mesh, plan: ShardingPlan) -> CompiledSteps:
+        """The same steps for another mesh and plan (after a resize): compiled afresh, counters at zero."""
+        return CompiledSteps(mesh, plan, self.train_step, self.mode, self.graphdefs)
 
     def reset_counters(self) -> None:
         """After a restore: the restored state is finite and applied; nothing is pending."""
@@ -50,18 +73,18 @@ class CompiledSteps:
     def counters(self) -> dict[str, Any]:
         """The non-finite step counters on the devices: ``bad`` (in a row) and ``skipped`` (in all)."""
         if self._counters is None:
-            self._counters = _guard.new_guard(self.hooks.mesh)
+            self._counters = _guard.new_guard(self.mesh)
         return self._counters
 
     def _fn(self) -> Callable[..., Any]:
-        graphdefs, mode, train_step = self.graphdefs, self.mode, self.train_step
+        graphdefs, mode, train_step, steps = self.graphdefs, self.mode, self.train_step, self
 
         def step(
             states: dict[str, Any], counters: dict[str, Any], batch: Any
         ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
             old = jax.tree.map(lambda x: x, states)  # the values given: merged Variables are updated in place
             objects = {k: nnx.merge(graphdefs[k], states[k]) for k in states}
-            with _guard.gate(counters, mode) as gate:
+            with _guard.gate(counters, mode) as gate, _tracing(steps):
                 metrics = train_step(objects["model"], objects["optimizer"], objects.get("ema"), batch)
             new = {k: nnx.state(v) for k, v in objects.items()}
             if gate.applied is not None:  # the update ran under a cond (Trainer.apply_gradients)
@@ -72,14 +95,14 @@ class CompiledSteps:
 
         # On Explicit mesh axes the step runs with them Auto (a model written for Auto meshes
         # traces as it always has) and its outputs go back to the state's own shardings.
-        specs = jax.tree.map(lambda s: s.spec, self.hooks.shardings)
-        return auto_axes_on(self.hooks.mesh, step, (specs, PartitionSpec(), PartitionSpec()))
+        specs = jax.tree.map(lambda s: s.spec, self.plan.shardings)
+        return auto_axes_on(self.mesh, step, (specs, PartitionSpec(), PartitionSpec()))
 
     def program(self, batch: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
         """The step function and its ``jax.jit`` arguments (shardings, donation) for this batch's structure."""
-        shardings = self.hooks.shardings
-        replicated = NamedSharding(self.hooks.mesh, PartitionSpec())
-        batch_shardings = jax.tree.map(lambda _: data_sharding(self.hooks.mesh), batch)
+        shardings = self.plan.shardings
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        batch_shardings = jax.tree.map(lambda _: data_sharding(self.mesh), batch)
         return self._fn(), {
             "in_shardings": (shardings, replicated, batch_shardings),
             "out_shardings": (shardings, replicated, replicated),
@@ -96,12 +119,11 @@ class CompiledSteps:
             self._compiled[sig] = jax.jit(fn, **kwargs)
         return self._compiled[sig]
 
-    def run(self, batch: Any) -> Any:
-        """Runs one step on a global batch, updating the state the hooks own; returns the metrics."""
-        with on_mesh(self.hooks.mesh):
-            states, self._counters, metrics = self.get(batch)(self.hooks.states(), self.counters, batch)
-        self.hooks.update(states)
-        return metrics
+    def run(self, states: dict[str, Any], batch: Any) -> tuple[dict[str, Any], Any]:
+        """One step on a global batch: ``(new states, metrics)``; ``states`` are donated."""
+        with on_mesh(self.mesh):
+            states, self._counters, metrics = self.get(batch)(states, self.counters, batch)
+        return states, metrics
 
 
 class CompiledEval:
@@ -111,10 +133,9 @@ class CompiledEval:
         self.steps, self.eval_metrics = steps, eval_metrics
         self._fn: Any = None
 
-    def reset(self) -> None:
-        self._fn = None
-
-    def run(self, batches: Any, *, use_ema: bool, to_global: Callable[[Any], Any]) -> dict[str, float]:
+    def run(
+        self, states: dict[str, Any], batches: Any, *, use_ema: bool, to_global: Callable[[Any], Any]
+    ) -> dict[str, float]:
         """Means of the metrics over ``batches``, weighted by their rows: ``{"eval_<name>": value}``."""
         if self._fn is None:
             graphdef, eval_metrics = self.steps.graphdefs["model"], self.eval_metrics
@@ -127,15 +148,14 @@ class CompiledEval:
                 return eval_metrics(model, batch)
 
             specs = PartitionSpec()  # metrics: replicated scalars
-            self._fn = jax.jit(auto_axes_on(self.steps.hooks.mesh, run, specs))
-        states = self.steps.hooks.states()
+            self._fn = jax.jit(auto_axes_on(self.steps.mesh, run, specs))
         params = states["ema"]["params"] if use_ema and "ema" in states else None
         totals: dict[str, float] = {}
         rows = 0
         for batch in batches:
             batch = to_global(batch)
             n = max(_data.examples(batch), 1)
-            with on_mesh(self.steps.hooks.mesh):
+            with on_mesh(self.steps.mesh):
                 metrics = self._fn(states["model"], params, batch)
             for k, v in _data.host_scalars(metrics).items():
                 totals[k] = totals.get(k, 0.0) + v * n

@@ -4,43 +4,44 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import jax
 import ml_collections
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
-from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport
-from nnx_shard._cluster import data_sharding, host_local_to_global, initialize_distributed
+from nnx_shard._checkpoint import Checkpointer, RestoreReport
+from nnx_shard._cluster import CompileReport, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
 from nnx_shard._trainer import _data, _guard
-from nnx_shard._trainer._aot import AheadOfTime
+from nnx_shard._trainer._aot import compile_step
+from nnx_shard._trainer._checkpoints import restore_options, save_step
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
-from nnx_shard._trainer._finetune import frozen_for_restore, labels, refresh_ema, resolve_wrt, states_to_save
+from nnx_shard._trainer._finetune import labels, refresh_ema, resolve_wrt
 from nnx_shard._trainer._lineage import Lineage
-from nnx_shard._trainer._loop import Hook, TrainingLoop
+from nnx_shard._trainer._loop import Callback, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
 from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
-from nnx_shard._trainer._step import CompiledEval, CompiledSteps
+from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
 from nnx_shard._trainer._watchdog import Watchdog
 from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
 
 
-class Trainer(AheadOfTime):
+class Trainer:
     """Subclass and give the model, the optax transform and the loss; the rest happens by itself.
 
     A subclass implements ``create_model(rngs)``, ``create_optimizer()`` and
     ``loss_fn(model, batch)`` (a scalar loss, or ``(loss, metrics)``), and may
     override ``train_step``, ``eval_metrics``, ``on_log`` and
     ``learning_rate_schedule``, declare its own settings in
-    ``default_config()``, and register callbacks with :meth:`add_hook`. The
+    ``default_config()``, and register callbacks with :meth:`add_callback`. The
     Trainer builds the mesh from ``config.mesh``, creates the model,
     ``nnx.Optimizer`` and ``nnx.EMA`` (of the parameters in :attr:`wrt`;
     ``ema_decay=None`` for none) already sharded by ``config.sharding_strategy``,
@@ -90,22 +91,26 @@ class Trainer(AheadOfTime):
         cfg = self.config  # under nnx-shard launch: join the job before anything starts a backend
         initialize_distributed(heartbeat_timeout=cfg.heartbeat_timeout, shutdown_timeout=cfg.shutdown_timeout)
         self.watchdog = Watchdog()
-        self.mesh = config_mesh(self.config.mesh)
         strategy = list(cfg.sharding_strategy)
-        self.hooks = ShardingHooks(strategy, self.mesh, barrier_timeout=cfg.barrier_timeout)
+        self.hooks = ShardingHooks(strategy, config_mesh(cfg.mesh), barrier_timeout=cfg.barrier_timeout)
         self.workdir = str(cfg.workdir) if cfg.workdir else None
         self.checkpointer: Checkpointer | None = config_checkpointer(cfg)
         self.observer = Observer(self.workdir, self.config.progress, self.config.tensorboard)
         self.step = 0
         self.last_eval: dict[str, float] = {}
         self.loop = TrainingLoop()
-        self._steps = CompiledSteps(self.hooks, self.train_step, self.config.on_nonfinite)
-        self._eval = CompiledEval(self._steps, self.eval_metrics)
+        self._steps: CompiledSteps | None = None  # compiled for the live mesh and plan, from init()
+        self._eval: CompiledEval | None = None
+        self._wrt: Any = None  # the trained subset, resolved against the model when it is created
         self._data_states: list[Any] | None = None
         self._resumed = False
-        self._param_shardings: dict[str, Any] | None = None
         self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
         COMPILE_CLOCK.start()  # the compile events: how long each new batch signature took
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the state lives on (the hooks'; :meth:`resize` changes it)."""
+        return self.hooks.mesh
 
     # -- what a subclass gives ------------------------------------------------
 
@@ -155,18 +160,20 @@ class Trainer(AheadOfTime):
     ) -> Any:
         """(traced) The optimizer and EMA update, applied only when ``loss`` and ``grad_norm`` are finite.
 
-        The update runs under a ``cond``, so a non-finite step changes
-        nothing and a finite one costs what the update costs. Returns whether
-        it was applied. A ``train_step`` override that calls it keeps this;
-        one that updates by itself gets a select over the state instead.
+        The update runs under a ``cond``, so a non-finite step changes nothing and a finite one costs
+        what the update costs. Returns whether it was applied. A ``train_step`` override that calls it
+        keeps this; one that updates by itself gets a select over the state instead.
         """
         return _guard.apply_if_finite(model, optimizer, ema, grads, loss=loss, grad_norm=grad_norm)
 
     def grad_norm(self, grads: Any) -> Any:
-        """The global norm of the model's gradients (traced), with one collective for all leaves."""
-        if self._param_shardings is None:
-            self._param_shardings = model_shardings(self.hooks.plan)
-        return global_norm(grads, self._param_shardings, self.hooks.mesh)
+        """The global norm of the model's gradients (traced), with one collective for all leaves.
+
+        The shardings are those of the step being traced (the live ones, or a
+        :meth:`compile_report`'s for other devices).
+        """
+        steps = traced_steps() or self._steps
+        return global_norm(grads, model_shardings(steps.plan), steps.mesh)
 
     def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, Any]:
         """Metrics of one eval batch (traced under jit, the model in eval mode); default: the loss."""
@@ -186,12 +193,17 @@ class Trainer(AheadOfTime):
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         """Called with host metrics every ``log_every`` steps, and with the eval metrics (``eval_...``) of an eval step."""
 
-    def add_hook(self, fn: Hook, *, every: int = 1) -> None:
+    def add_callback(self, fn: Callback, *, every: int = 1) -> None:
         """Runs ``fn(step, metrics, trainer)`` on the host every ``every`` steps (custom logging,
         samples, early stopping with :meth:`request_stop`)."""
         if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"add_hook(every=...) takes a whole number of steps >= 1; got {every!r}.")
-        self.loop.add_hook(fn, every)
+            raise ConfigError(f"add_callback(every=...) takes a whole number of steps >= 1; got {every!r}.")
+        self.loop.add_callback(fn, every)
+
+    def add_hook(self, fn: Callback, *, every: int = 1) -> None:
+        """Deprecated: :meth:`add_callback` (``hooks`` names the state's owner, :attr:`hooks`)."""
+        warnings.warn("Trainer.add_hook is now Trainer.add_callback", DeprecationWarning, stacklevel=2)
+        self.add_callback(fn, every=every)
 
     def request_stop(self, reason: str = "requested") -> None:
         """Ends ``train()`` after the current step, with a save; ``stop_reason`` says ``stopped: <reason>``."""
@@ -224,7 +236,12 @@ class Trainer(AheadOfTime):
         objects = self.hooks.on_init(self._create)
         if self.load_pretrained(objects["model"]) is not None and "ema" in objects:
             refresh_ema(objects["model"], objects["ema"])  # of the pretrained weights, not the random ones
-        self._steps.graphdefs.update({k: nnx.graphdef(v) for k, v in objects.items()})
+        graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+        mode = self.config.on_nonfinite
+        self._compile_for(CompiledSteps(self.mesh, self.hooks.plan, self.train_step, mode, graphdefs))
+
+    def _compile_for(self, steps: CompiledSteps) -> None:
+        self._steps, self._eval = steps, CompiledEval(steps, self.eval_metrics)
 
     @property
     def states(self) -> dict[str, Any]:
@@ -267,7 +284,8 @@ class Trainer(AheadOfTime):
         self.init()
         fresh = not self._steps.is_compiled(batch)
         before = COMPILE_CLOCK.seconds
-        metrics = self._steps.run(batch)
+        states, metrics = self._steps.run(self.hooks.states(), batch)
+        self.hooks.update(states)
         if fresh:
             shapes = str([s for s, _ in _data.signature(batch)[1]])
             self.observer.event("compile", COMPILE_CLOCK.seconds - before, self.step, shapes=shapes)
@@ -275,11 +293,7 @@ class Trainer(AheadOfTime):
 
     def global_batch(self, batch: Any) -> Any:
         """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through."""
-        target = data_sharding(self.hooks.mesh)
-        leaves = jax.tree.leaves(batch)
-        if leaves and all(isinstance(x, jax.Array) and x.sharding == target for x in leaves):
-            return batch
-        return host_local_to_global(batch, self.hooks.mesh)
+        return _data.global_batch(batch, self.hooks.mesh)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -339,7 +353,7 @@ class Trainer(AheadOfTime):
         Compiled once per batch signature, like the train step.
         """
         self.init()
-        return self._eval.run(batches, use_ema=use_ema, to_global=self.global_batch)
+        return self._eval.run(self.hooks.states(), batches, use_ema=use_ema, to_global=self.global_batch)
 
     # -- checkpoints --------------------------------------------------------------
 
@@ -358,52 +372,37 @@ class Trainer(AheadOfTime):
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
         self.init()
-        self.lineage.before_save()
-        extra = {}
-        batches = self.loop.batches
-        if batches is not None and batches.resumable:
-            extra["data_state"] = _data.gather_states(batches.state())
-        start, strategy = time.perf_counter(), list(self.config.sharding_strategy)
-        states = states_to_save(self.states, self._wrt, self.config.save_frozen, extra)
-        started = self.checkpointer.save(
-            self.step, states, metrics=metrics, mesh=self.mesh, strategy=strategy, extra=extra, force=force
-        )
-        if not started:
-            self.observer.event(
-                "save_skipped", 0.0, self.step, reason=self.checkpointer.last_skip_reason or "not written"
-            )
-            return False
-        self.lineage.saved(self.step)
-        self.observer.event(
-            "save", time.perf_counter() - start, self.step, **({"metrics": metrics} if metrics else {})
-        )
-        return True
+        return save_step(
+            self.checkpointer, self.lineage, self.observer, self.step, self.states, self.mesh,
+            config=self.config, wrt=self._wrt, batches=self.loop.batches, metrics=metrics, force=force,
+        )  # fmt: skip
 
     def resize(
         self, mesh: Mesh | str, *, devices: Sequence[Any] | None = None, donate: bool = True
     ) -> ResizeReport:
         """Moves the live training state onto another mesh and goes on training there.
 
-        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default
-        all). Model, optimizer and EMA move with :meth:`ShardingHooks.on_mesh_change`
-        (each piece a new device lacks sent once, nothing through the host); the
-        step is rebuilt for the new shardings on the next batch, and the global
-        batch stays as it was, so the loss curve goes on as if nothing happened.
-        With several processes, every process calls it together. The resize and
-        the recompile are logged as events; later checkpoints restore anywhere.
-
-        Returns:
-          The :class:`nnx_shard.ResizeReport`.
+        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all). The state moves
+        with :meth:`ShardingHooks.on_mesh_change` (each piece a new device lacks sent once, nothing
+        through the host); the step is rebuilt for the new shardings on the next batch and the global
+        batch stays as it was. With several processes, every process calls it together. Returns the
+        :class:`nnx_shard.ResizeReport`; the resize and the recompile are logged as events.
         """
         self.init()
         new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
         report = self.hooks.on_mesh_change(new, donate=donate)
-        self.mesh = new
-        self._steps.reset()  # compiled for the old shardings
-        self._eval.reset()
-        self._param_shardings = None
+        self._compile_for(self._steps.moved(new, self.hooks.plan))  # compiled for the old shardings
         self.observer.event("resize", report.seconds, self.step, report=str(report))
         return report
+
+    def compile_report(self, devices: Sequence[Any], batch: Any) -> CompileReport:
+        """Compiles this Trainer's own train step for ``devices`` and reports what each holds and sends.
+
+        On abstract state, so the devices may be a TPU pod's (:func:`nnx_shard.tpu_devices`) on a laptop;
+        ``batch`` is a global batch of ``jax.ShapeDtypeStruct``. ``fits`` is False when XLA refuses it for
+        memory. An example is in :func:`nnx_shard._trainer._aot.compile_step`.
+        """
+        return compile_step(self.config, self._create, self.train_step, devices, batch)
 
     def best_step(self) -> int | None:
         """The kept step with the best ``config.best_metric`` (None without one)."""
@@ -431,17 +430,20 @@ class Trainer(AheadOfTime):
             raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
         self.init()
         start = time.perf_counter()
-        options = RestoreOptions(
-            items=items,
-            free_live=self.config.free_live_on_restore if free_live is None else free_live,
-            max_host_bytes=self.config.max_host_bytes if max_host_bytes is None else max_host_bytes,
-            frozen=frozen_for_restore(self.checkpointer, step, items, self.states["model"], self._wrt),
+        options = restore_options(
+            self.config,
+            self.checkpointer,
+            step,
+            items,
+            self.states["model"],
+            self._wrt,
+            free_live,
+            max_host_bytes,
         )
         report = self.hooks.restore_and_reshard(self.checkpointer, step=step, options=options)
         self.step = report.step
         self.lineage.restored(report.step)
         self._steps.reset_counters()
-        self._data_states = report.saved.get("data_state")
-        self._resumed = True
+        self._data_states, self._resumed = report.saved.get("data_state"), True
         self.observer.event("restore", time.perf_counter() - start, self.step, report=str(report))
         return report

@@ -1,0 +1,92 @@
+"""A Trainer's checkpoints: what a save writes (the frozen base left out, the data position) and how a restore reads."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, storable, tree_fingerprints
+from nnx_shard._trainer._data import gather_states
+from nnx_shard._trainer._finetune import frozen_filter
+from nnx_shard._trainer._lineage import Lineage
+from nnx_shard._trainer._observe import Observer
+from nnx_shard.errors import CheckpointError, CheckpointMismatchError
+
+
+def states_to_save(
+    states: dict[str, Any], wrt: Any, save_frozen: bool, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """The states a checkpoint holds: without the frozen parameters when ``save_frozen`` is False, their
+    fingerprints then going into ``extra`` (``frozen_fingerprints``) for the restore to check."""
+    if save_frozen:
+        return states
+    frozen, rest = nnx.split_state(states["model"], frozen_filter(wrt), ...)
+    extra["frozen_fingerprints"] = tree_fingerprints(storable(frozen)[0])
+    return {**states, "model": rest}
+
+
+def frozen_for_restore(checkpointer: Any, step: int | None, items: Any, live_model: Any, wrt: Any) -> Any:
+    """The filter of the parameters ``step`` was saved without (None when it holds them all), once the live
+    ones are the same weights it was trained on.
+
+    Raises:
+      CheckpointMismatchError: the live frozen parameters differ from those the checkpoint was saved with.
+    """
+    steps = checkpointer.all_steps()
+    if (items and "model" not in items) or (step is None and not steps):
+        return None  # the restore itself says there is nothing to read
+    try:
+        meta = checkpointer.metadata(steps[-1] if step is None else step)
+    except CheckpointError:  # a missing or damaged step: the restore names it, its files checked first
+        return None
+    saved = meta.get("frozen_fingerprints")
+    if saved is None:
+        return None
+    frozen = nnx.split_state(live_model, frozen_filter(wrt), ...)[0]
+    live = tree_fingerprints(storable(frozen)[0])
+    differ = sorted(p for p in set(saved) | set(live) if saved.get(p) != live.get(p))
+    if differ:
+        raise CheckpointMismatchError(
+            f"step {meta.get('step')} was saved without its frozen parameters (save_frozen=False), and the "
+            f"model's frozen parameters differ from the ones it was trained on: {differ[:8]}"
+            f"{' ...' if len(differ) > 8 else ''}. Load the same base weights (Trainer.load_pretrained) first."
+        )
+    return frozen_filter(wrt)
+
+
+def restore_options(
+    config: Any, checkpointer: Any, step: int | None, items: Any, live_model: Any, wrt: Any,
+    free_live: bool | None, max_host_bytes: int | None,
+) -> RestoreOptions:  # fmt: skip
+    """A Trainer's restore: the arguments given, else the config's; the frozen base kept when not saved."""
+    return RestoreOptions(
+        items=items,
+        free_live=config.free_live_on_restore if free_live is None else free_live,
+        max_host_bytes=config.max_host_bytes if max_host_bytes is None else max_host_bytes,
+        frozen=frozen_for_restore(checkpointer, step, items, live_model, wrt),
+    )
+
+
+def save_step(
+    checkpointer: Checkpointer, lineage: Lineage, observer: Observer, step: int, states: dict[str, Any],
+    mesh: Mesh, *, config: Any, wrt: Any, batches: Any, metrics: Any, force: bool,
+) -> bool:  # fmt: skip
+    """A Trainer's save: its states (the frozen base left out unless ``save_frozen``), the data position,
+    and a ``save`` or ``save_skipped`` event; the lineage told first and after."""
+    lineage.before_save()
+    extra = {}
+    if batches is not None and batches.resumable:
+        extra["data_state"] = gather_states(batches.state())
+    start, strategy = time.perf_counter(), list(config.sharding_strategy)
+    to_save = states_to_save(states, wrt, config.save_frozen, extra)
+    if not checkpointer.save(
+        step, to_save, metrics=metrics, mesh=mesh, strategy=strategy, extra=extra, force=force
+    ):
+        observer.event("save_skipped", 0.0, step, reason=checkpointer.last_skip_reason or "not written")
+        return False
+    lineage.saved(step)
+    observer.event("save", time.perf_counter() - start, step, **({"metrics": metrics} if metrics else {}))
+    return True
