@@ -488,3 +488,37 @@ def test_a_factory_instead_of_its_abstract_state_is_refused_clearly():
         ns.infer_sharding(create_fn, [(".*", F)], mesh_of("8"))
     with pytest.raises(TypeError):
         ns.infer_sharding(MLP, [(".*", F)], mesh_of("8"))
+
+
+def test_notes_carry_their_kind_from_the_tactic_to_the_log(caplog):
+    """Tactics hand notes over (``Noted``); the plan keeps their kind, and the log level comes from it."""
+    import logging
+
+    from nnx_shard._sharding import Note, NoteKind, Noted
+
+    def halve(cur_spec, mesh, name, leaf):
+        return Noted(cur_spec, (Note(NoteKind.NO_DIVISIBLE_DIM, "halve: replicated, odd rows"),))
+
+    mesh = mesh_of("8")
+    state = {
+        "odd": jax.ShapeDtypeStruct((7, 5), jnp.float32),
+        "tiny": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        "mine": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    strategy = [("mine", ns.replicate() | halve), ("tiny", "fsdp(axis='fsdp', min_size_to_shard_mb=1)")]
+    strategy += [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+    with caplog.at_level(logging.INFO, logger="nnx_shard"):
+        plan = ns.plan_sharding(state, strategy, mesh)
+    kinds = {p.path: [n.kind for n in p.notes] for p in plan.leaves}
+    assert kinds == {
+        "odd": [NoteKind.NO_DIVISIBLE_DIM],
+        "tiny": [NoteKind.BELOW_MIN_SIZE],
+        "mine": [NoteKind.NO_DIVISIBLE_DIM],
+        "step": [NoteKind.SCALAR],
+    }
+    assert plan.leaf("mine").notes == ("halve: replicated, odd rows",)  # a note is its text too
+    levels = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records if "leaves" in r.getMessage()}
+    assert levels["rule 0 ('mine', 'replicate()|halve')"] == logging.WARNING
+    assert levels["rule 1 ('tiny', \"fsdp(axis='fsdp', min_size_to_shard_mb=1)\")"] == logging.INFO
+    assert not any("step" in r.getMessage() for r in caplog.records)  # scalars are not logged

@@ -118,7 +118,6 @@ class Leaf:
       candidates: other names a strategy rule may match it by: the path inside
         its group, and for an optimizer or EMA leaf the parameter it mirrors
         (``up/kernel``, and ``model/up/kernel`` when grouped with the model).
-      notes: soft findings about its placement (too small to shard, ...).
       mirror: the parameter path it mirrors (optimizer or EMA state), if any.
       mirror_variable: that parameter's Variable, when the model is at hand.
       stacked: dimensions NNX marks as stacked layers (kept whole by default).
@@ -133,7 +132,6 @@ class Leaf:
     dtype: Any
     variable: Any = None
     candidates: tuple[str, ...] = ()
-    notes: list[str] = dataclasses.field(default_factory=list)
     mirror: str | None = None
     mirror_variable: Any = None
     stacked: tuple[int, ...] = ()

@@ -20,6 +20,9 @@ DATA_AXES: tuple[str, ...] = ("dp", "fsdp", "data", "batch")
 _calls: collections.Counter[str] = collections.Counter()
 
 
+DEADLINE_EXCEEDED = 4  # absl's StatusCode::kDeadlineExceeded: JaxRuntimeError.error_code of a barrier that timed out
+
+
 def _barrier_id(name: str | None) -> tuple[str, str]:
     """A barrier id the same in every process that makes the same calls.
 
@@ -67,8 +70,8 @@ def barrier_sync(name: str | None = None, timeout: float = 200) -> None:
     client.key_value_set(f"nnx_shard_arrived/{barrier_id}/{me}", "1", allow_overwrite=True)
     try:
         client.wait_at_barrier(barrier_id, max(1, int(timeout * 1000)))
-    except Exception as e:  # JaxRuntimeError; its class moved between versions
-        if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+    except jax.errors.JaxRuntimeError as e:
+        if e.error_code != DEADLINE_EXCEEDED:  # the status code, not the message's wording
             raise
         report = _missing_report(client, barrier_id, shown, timeout, e)
         # Others may still be reporting: say where this process gave up.
@@ -77,14 +80,14 @@ def barrier_sync(name: str | None = None, timeout: float = 200) -> None:
     client.key_value_set(f"nnx_shard_waiting/{me}", "", allow_overwrite=True)
 
 
-def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, error: Exception) -> str:
+def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, error: BaseException) -> str:
     n = jax.process_count()
     try:
         arrived = {
             int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"nnx_shard_arrived/{barrier_id}/")
         }
         waiting = dict(client.key_value_dir_get("nnx_shard_waiting/"))
-    except Exception:  # the service itself is failing: say what the barrier said
+    except jax.errors.JaxRuntimeError:  # the service itself is failing: say what the barrier said
         return (
             f"barrier {shown!r} (id {barrier_id}) timed out after {timeout:g} s in process "
             f"{jax.process_index()} of {n}; the coordination service said: {str(error).splitlines()[0]}"

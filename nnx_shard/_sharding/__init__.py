@@ -3,12 +3,16 @@
 from nnx_shard._sharding._explicit import auto_axes, auto_axes_on, on_mesh
 from nnx_shard._sharding._inference import infer_sharding, plan_sharding
 from nnx_shard._sharding._logical import annotated, logical_rules_of, logical_to_mesh
+from nnx_shard._sharding._notes import Note, Noted, NoteKind
 from nnx_shard._sharding._parser import parse_tactic, register_tactic, unregister_tactic
 from nnx_shard._sharding._plan import LeafPlacement, ShardingPlan
 from nnx_shard._sharding._tactics import Tactic, fsdp, replicate, shard_dim, spec, stacked, validate_spec
 
 __all__ = [
     "LeafPlacement",
+    "Note",
+    "NoteKind",
+    "Noted",
     "ShardingPlan",
     "Tactic",
     "annotated",

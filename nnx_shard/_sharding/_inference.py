@@ -25,6 +25,7 @@ from nnx_shard._base import (
     spec_axes,
 )
 from nnx_shard._sharding._explicit import explicit_axes
+from nnx_shard._sharding._notes import Note, NoteKind, split_noted
 from nnx_shard._sharding._parser import as_tactic
 from nnx_shard._sharding._plan import LeafPlacement, ShardingPlan
 from nnx_shard._sharding._tactics import Tactic
@@ -141,28 +142,32 @@ def _describe(state: Any) -> str:
     return type(state).__name__
 
 
-def _mark_stacked(leaf: Leaf, names: Sequence[str]) -> Spec:
-    """The starting spec: dimensions NNX marks as stacked layers are kept whole."""
+def _mark_stacked(leaf: Leaf, names: Sequence[str]) -> tuple[Spec, list[Note]]:
+    """The starting spec: dimensions NNX marks as stacked layers are kept whole (and noted)."""
     annotation = leaf.annotation() or ()
     leaf.stacked = tuple(i for i, n in enumerate(annotation) if isinstance(n, str) and n in names)
-    for i in leaf.stacked:
-        leaf.notes.append(f"dim {i} kept whole: stacked layer axis {annotation[i]!r}")
-    return tuple(WHOLE if i in leaf.stacked else None for i in range(leaf.ndim))
+    notes = [
+        Note(NoteKind.KEPT_WHOLE, f"dim {i} kept whole: stacked layer axis {annotation[i]!r}")
+        for i in leaf.stacked
+    ]
+    return tuple(WHOLE if i in leaf.stacked else None for i in range(leaf.ndim)), notes
 
 
-def _leaf_spec(leaf: Leaf, rule: Any, mesh: Mesh, stacked_axis_names: Any) -> Spec:
-    """The spec ``rule``'s tactic gives ``leaf`` (scalars and unmatched leaves replicated, with a note)."""
-    spec: Spec = _mark_stacked(leaf, stacked_axis_names)
+def _leaf_spec(leaf: Leaf, rule: Any, mesh: Mesh, stacked_axis_names: Any) -> tuple[Spec, tuple[Note, ...]]:
+    """The spec ``rule``'s tactic gives ``leaf``, and the notes on it (scalars and unmatched leaves replicated)."""
+    spec, notes = _mark_stacked(leaf, stacked_axis_names)
     if leaf.ndim == 0:
-        leaf.notes.append("scalar: replicated")
+        notes.append(Note(NoteKind.SCALAR, "scalar: replicated"))
     elif rule is None:
-        leaf.notes.append("no rule matched: replicated")
+        notes.append(Note(NoteKind.NO_RULE, "no rule matched: replicated"))
     else:
         try:
-            spec = normalize_spec(rule.tactic(spec, mesh, leaf.path, leaf), leaf.ndim, leaf.describe())
+            given, said = split_noted(rule.tactic(spec, mesh, leaf.path, leaf))
+            spec = normalize_spec(given, leaf.ndim, leaf.describe())
         except TacticError as e:
             raise e.with_rule(rule.index, rule.pattern, rule.text) from None
-    return finalize_spec(spec)
+        notes += said
+    return finalize_spec(spec), tuple(notes)
 
 
 def _unmatched_error(unmatched: list[Leaf]) -> UnmatchedLeavesError:
@@ -231,7 +236,8 @@ def plan_sharding(
             used.add(rule.index)
         elif leaf.ndim:
             unmatched.append(leaf)
-        sharding = out[i] = sharding_for(_leaf_spec(leaf, rule, mesh, stacked_axis_names))
+        spec, notes = _leaf_spec(leaf, rule, mesh, stacked_axis_names)
+        sharding = out[i] = sharding_for(spec)
         placements.append(
             LeafPlacement(
                 path=leaf.path,
@@ -242,7 +248,7 @@ def plan_sharding(
                 matched=matched if matched != leaf.path else None,
                 total_bytes=leaf.nbytes,
                 bytes_per_device=bytes_per_device(sharding, leaf.shape, leaf.dtype),
-                notes=tuple(leaf.notes),
+                notes=notes,
             )
         )
     if strict and unmatched:
@@ -264,7 +270,7 @@ def plan_sharding(
     )
 
 
-def _explicit_note(placements: list[LeafPlacement], mesh: Mesh) -> list[str]:
+def _explicit_note(placements: list[LeafPlacement], mesh: Mesh) -> list[Note]:
     """A note when Explicit mesh axes shard leaves: a step of the user's own must run under auto_axes."""
     explicit = set(explicit_axes(mesh))
     hit = [p for p in placements if p.spec is not None and explicit & set(spec_axes(tuple(p.spec)))]
@@ -272,43 +278,39 @@ def _explicit_note(placements: list[LeafPlacement], mesh: Mesh) -> list[str]:
         return []
     axes = sorted(explicit & {a for p in hit for a in spec_axes(tuple(p.spec))})
     return [
-        f"Explicit mesh axes {axes} shard {len(hit)} leaves (first {hit[0].path!r} {hit[0].spec}): "
-        f"a step of your own over them runs its model under nnx_shard.auto_axes (or "
-        f"jax.sharding.auto_axes with these shardings as outputs), or JAX may refuse an op whose "
-        f"output sharding is ambiguous; the Trainer does this itself. See the README's "
-        f"'Explicit meshes'."
+        Note(
+            NoteKind.EXPLICIT_AXES,
+            f"Explicit mesh axes {axes} shard {len(hit)} leaves (first {hit[0].path!r} {hit[0].spec}): "
+            f"a step of your own over them runs its model under nnx_shard.auto_axes (or "
+            f"jax.sharding.auto_axes with these shardings as outputs), or JAX may refuse an op whose "
+            f"output sharding is ambiguous; the Trainer does this itself. See the README's "
+            f"'Explicit meshes'.",
+        )
     ]
 
 
 def _log_notes(placements: list[LeafPlacement], rules: list[_Rule]) -> None:
-    """Logs each kind of soft note once per rule, with a count and the first leaf."""
-    seen: dict[tuple[int | None, str], list[LeafPlacement]] = {}
+    """Logs each kind of note once per rule, at its kind's level, with a count and the first leaf."""
+    seen: dict[tuple[int | None, NoteKind], list[tuple[LeafPlacement, Note]]] = {}
     for p in placements:
         for note in p.notes:
-            if note.startswith(("scalar", "skipped")):
-                continue
-            kind = note.split(",")[0]
-            seen.setdefault((p.rule_index, kind), []).append(p)
-    for (index, kind), ps in seen.items():
+            if note.kind.level is not None:
+                seen.setdefault((p.rule_index, note.kind), []).append((p, note))
+    for (index, kind), found in seen.items():
         where = (
             "no rule" if index is None else f"rule {index} ({rules[index].pattern!r}, {rules[index].text!r})"
         )
-        first = next(n for n in ps[0].notes if n.startswith(kind))
-        # Leaves left replicated for lack of a divisible dimension or an annotation deserve a look.
-        level = (
-            logging.WARNING
-            if "no free dimension" in first or "no sharding annotation" in first
-            else logging.INFO
-        )
+        first, note = found[0]
+        what = "left replicated" if kind.replicates else "noted"
         logger.log(
-            level,
+            kind.level,
             "%s: %d leaves %s; first %r %s: %s",
             where,
-            len(ps),
-            "left replicated" if "replicated" in first else "noted",
-            ps[0].path,
-            ps[0].shape,
-            first,
+            len(found),
+            what,
+            first.path,
+            first.shape,
+            note,
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from nnx_shard._base import Leaf, Spec, SpecEntry, entry_axes, format_spec, spec_axes
+from nnx_shard._sharding._notes import Note, Noted, NoteKind
 from nnx_shard._sharding._tactics import Tactic, sharded, validate_spec
 from nnx_shard.errors import MeshAxisError, ShardingConflictError, TacticArgumentError
 
@@ -85,8 +86,10 @@ class _Annotated(Tactic):
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
         names = leaf.annotation()
         if names is None:
-            leaf.notes.append("annotated: replicated, the leaf has no sharding annotation")
-            return cur_spec
+            return Noted(
+                cur_spec,
+                (Note(NoteKind.NO_ANNOTATION, "annotated: replicated, the leaf has no sharding annotation"),),
+            )
         rules = self._rules(leaf)
         mapped = {logical for logical, _ in rules}
         # A stacked layer axis that no rule maps stays whole.

@@ -9,6 +9,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from nnx_shard._base import format_bytes, format_table
+from nnx_shard._sharding._notes import Note, NoteKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +42,12 @@ class LeafPlacement:
     matched: str | None
     total_bytes: int
     bytes_per_device: int
-    notes: tuple[str, ...] = ()
+    notes: tuple[Note, ...] = ()
     label: str | None = None
 
     @classmethod
     def skipped(cls, leaf: Any) -> LeafPlacement:
-        return cls(leaf.path, None, "-", None, None, None, 0, 0, ("skipped: no shape",))
+        return cls(leaf.path, None, "-", None, None, None, 0, 0, (Note(NoteKind.SKIPPED, "skipped: no shape"),))
 
     @property
     def sharded(self) -> bool:
@@ -79,7 +80,7 @@ class ShardingPlan:
     rules: list[tuple[str, str]]
     unused_rules: list[int]
     shardings: Any = dataclasses.field(repr=False, default=None)
-    notes: list[str] = dataclasses.field(default_factory=list)
+    notes: list[Note] = dataclasses.field(default_factory=list)
 
     def leaf(self, path: str) -> LeafPlacement:
         """The placement of the leaf with exactly this path."""
@@ -155,7 +156,7 @@ class ShardingPlan:
         for i, (pattern, tactic) in enumerate(self.rules):
             flag = "  <- matched nothing: typo?" if i in self.unused_rules else ""
             lines.append(f"  rule {i}: ({pattern!r}, {tactic!r}) placed {counts[i]} leaves{flag}")
-        noted = sum(1 for p in self.leaves if any(not n.startswith(("scalar", "skipped")) for n in p.notes))
+        noted = sum(1 for p in self.leaves if any(n.kind.level is not None for n in p.notes))
         if noted:
             lines.append(f"  {noted} leaves carry notes (left replicated); see the table")
         lines.extend(f"  note: {n}" for n in self.notes)

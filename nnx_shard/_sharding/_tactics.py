@@ -2,7 +2,8 @@
 
 A tactic is a callable ``(cur_spec, mesh, name, leaf) -> spec`` where a spec is
 a tuple with one entry per dimension (``None``, an axis name, or a tuple of
-axis names). Tactics chain with ``|``; the next one starts from the spec the
+axis names); a tactic with something to say (why a leaf stayed replicated)
+returns ``Noted(spec, notes)`` instead, and planning keeps the notes. Tactics chain with ``|``; the next one starts from the spec the
 previous one returned. Strings name tactics through the parser and registry
 in :mod:`nnx_shard._sharding._parser`.
 """
@@ -27,6 +28,7 @@ from nnx_shard._base import (
     spec_problems,
     trim_spec,
 )
+from nnx_shard._sharding._notes import Note, Noted, NoteKind, noted, split_noted
 from nnx_shard.errors import (
     IndivisibleShardingError,
     MeshAxisError,
@@ -78,6 +80,8 @@ def _check_unused(axes: Sequence[str], cur: Spec, leaf: Leaf, tactic: str) -> No
 class Tactic:
     """Base class of tactics: callable ``(cur_spec, mesh, name, leaf) -> spec``, chained with ``|``.
 
+    A tactic returns the new spec, or :class:`Noted` ``(spec, notes)`` to say why (the plan shows them).
+
     >>> str(fsdp(axis="fsdp") | shard_dim(axis="tp", dim=-1))
     "fsdp(axis='fsdp')|shard_dim(axis='tp', dim=-1)"
     """
@@ -115,10 +119,13 @@ class Chain(Tactic):
             flat.extend(t.tactics if isinstance(t, Chain) else (t,))
         self.tactics = tuple(flat)
 
-    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
+    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Any:
+        notes: list[Note] = []
         for t in self.tactics:
-            cur_spec = normalize_spec(t(cur_spec, mesh, name, leaf), leaf.ndim, leaf.describe())
-        return cur_spec
+            spec_, said = split_noted(t(cur_spec, mesh, name, leaf))
+            notes += said
+            cur_spec = normalize_spec(spec_, leaf.ndim, leaf.describe())
+        return noted(cur_spec, notes)
 
     def __str__(self) -> str:
         return "|".join(str(t) for t in self.tactics)
@@ -159,11 +166,8 @@ class _Fsdp(Tactic):
         check_axes(self.axes, mesh, leaf, str(self))
         # A step that would shard nothing never conflicts (as in big_vision).
         if leaf.nbytes <= self.min_size_to_shard_mb * 2**20:
-            leaf.notes.append(
-                f"fsdp: replicated, {leaf.nbytes} bytes is below "
-                f"min_size_to_shard_mb={self.min_size_to_shard_mb}"
-            )
-            return cur_spec
+            why = f"fsdp: replicated, {leaf.nbytes} bytes is below min_size_to_shard_mb={self.min_size_to_shard_mb}"
+            return Noted(cur_spec, (Note(NoteKind.BELOW_MIN_SIZE, why),))
         size = entry_size(mesh.shape, self.axes)
         # Largest dimension first; among equal sizes the last one (the output
         # features of a kernel), as big_vision does. Dimensions kept whole are skipped.
@@ -171,11 +175,8 @@ class _Fsdp(Tactic):
             if cur_spec[i] is None and leaf.shape[i] % size == 0:
                 _check_unused(self.axes, cur_spec, leaf, str(self))
                 return cur_spec[:i] + (_entry(self.axes),) + cur_spec[i + 1 :]
-        leaf.notes.append(
-            f"fsdp: replicated, no free dimension of {leaf.shape} is divisible by "
-            f"{'x'.join(self.axes)}={size}"
-        )
-        return cur_spec
+        why = f"fsdp: replicated, no free dimension of {leaf.shape} is divisible by {'x'.join(self.axes)}={size}"
+        return Noted(cur_spec, (Note(NoteKind.NO_DIVISIBLE_DIM, why),))
 
     def __str__(self) -> str:
         axis = self.axes[0] if len(self.axes) == 1 else self.axes
@@ -221,10 +222,8 @@ class _ShardDim(Tactic):
         check_axes(self.axes, mesh, leaf, str(self))
         if not -leaf.ndim <= self.dim < leaf.ndim:
             if self.ignore_ndim_error:
-                leaf.notes.append(
-                    f"shard_dim: skipped, dim {self.dim} is not among its {leaf.ndim} dimensions"
-                )
-                return cur_spec
+                why = f"shard_dim: skipped, dim {self.dim} is not among its {leaf.ndim} dimensions"
+                return Noted(cur_spec, (Note(NoteKind.SKIPPED, why),))
             raise TacticArgumentError(
                 f"cannot shard dim {self.dim} of {leaf.describe()}: it has {leaf.ndim} "
                 f"dimensions. Use a dim in [{-leaf.ndim}, {leaf.ndim - 1}], a narrower regex, "
@@ -311,20 +310,20 @@ def stacked(dim: int = 0) -> Tactic:
     return _Stacked(dim)
 
 
-def fit_spec(spec: Any, cur_spec: Spec, leaf: Leaf, tactic: str) -> Spec:
-    """A tactic's full spec fitted to the leaf: longer specs trimmed (noted), dimensions kept whole respected."""
+def fit_spec(spec: Any, cur_spec: Spec, leaf: Leaf, tactic: str) -> tuple[Spec, list[Note]]:
+    """A tactic's full spec fitted to the leaf: longer specs trimmed (and noted), dimensions kept whole respected."""
     out, trimmed = trim_spec(spec, leaf.ndim, leaf.describe())
+    notes = []
     if trimmed:
-        leaf.notes.append(
-            f"{tactic}: trimmed {format_spec(tuple(spec))} to the leaf's {leaf.ndim} dimensions"
-        )
+        why = f"{tactic}: trimmed {format_spec(tuple(spec))} to the leaf's {leaf.ndim} dimensions"
+        notes.append(Note(NoteKind.TRIMMED, why))
     for i, (was, new) in enumerate(zip(cur_spec, out, strict=True)):
         if was is WHOLE and sharded(new):
             raise ShardingConflictError(
                 f"cannot set {format_spec(out)} on {leaf.describe()}: dim {i} is kept whole (a "
                 f"stacked layer axis, or marked by stacked()). Leave it None."
             )
-    return tuple(WHOLE if was is WHOLE else new for was, new in zip(cur_spec, out, strict=True))
+    return tuple(WHOLE if was is WHOLE else new for was, new in zip(cur_spec, out, strict=True)), notes
 
 
 class _Spec(Tactic):
@@ -337,8 +336,8 @@ class _Spec(Tactic):
                 f"cannot set {format_spec(self.entries)} on {leaf.describe()}: it is already "
                 f"{format_spec(cur_spec)}. spec() sets the whole spec: put it alone or first."
             )
-        spec = fit_spec(self.entries, cur_spec, leaf, str(self))
-        return validate_spec(spec, mesh, leaf, str(self))
+        spec, notes = fit_spec(self.entries, cur_spec, leaf, str(self))
+        return noted(validate_spec(spec, mesh, leaf, str(self)), notes)
 
     def __str__(self) -> str:
         return "spec(" + ", ".join(repr(e) for e in self.entries) + ")"
@@ -390,9 +389,10 @@ class FunctionTactic(Tactic):
         self.fn = fn
         self.text = text or getattr(fn, "__name__", repr(fn))
 
-    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Spec:
-        out = fit_spec(self.fn(finalize_spec(cur_spec), mesh, name, leaf), cur_spec, leaf, self.text)
-        return validate_spec(out, mesh, leaf, self.text)
+    def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Any:
+        given, said = split_noted(self.fn(finalize_spec(cur_spec), mesh, name, leaf))
+        out, notes = fit_spec(given, cur_spec, leaf, self.text)
+        return noted(validate_spec(out, mesh, leaf, self.text), [*said, *notes])
 
     def __str__(self) -> str:
         return self.text
