@@ -33,7 +33,7 @@ STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard
 def save(directory: str, layers: int, width: int) -> dict[str, object]:
     simulate_devices(8)
     import nnx_shard as ns
-    from nnx_shard._checkpoint._format import tree_fingerprints
+    from nnx_shard._checkpoint import tree_fingerprints
 
     mesh = ns.create_mesh((8,), ("fsdp",))
     hooks = ns.ShardingHooks(STRATEGY, mesh)
@@ -63,7 +63,7 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
     from jax.sharding import NamedSharding, PartitionSpec
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint._format import tree_fingerprints
+    from nnx_shard._checkpoint import tree_fingerprints
 
     mesh = ns.create_mesh((4,), ("fsdp",))
     create = stack_state_factory(layers, width)

@@ -67,15 +67,13 @@ def reshard_move(smoke: bool) -> dict:
     trainer = ViTTrainer(cfg)
     from flax import nnx
 
-    from nnx_shard._checkpoint._format import abstract_target
-
     states = {k: nnx.state(v) for k, v in nnx.eval_shape(trainer._create).items()}
     strategy = list(cfg.sharding_strategy)
     big = ns.create_mesh((len(devices),), ("fsdp",), devices=devices)
     small = ns.create_mesh((len(devices) // 2,), ("fsdp",), devices=devices[: len(devices) // 2])
     src = ns.plan_sharding(states, strategy, big)
     dst = ns.plan_sharding(states, strategy, small)
-    tree = {k: abstract_target(states[k], src.shardings[k]) for k in states}
+    tree = {k: ns.abstract_target(states[k], src.shardings[k]) for k in states}
     start = time.perf_counter()
     plan = ns.plan_reshard(tree, dst.shardings)
     seconds = time.perf_counter() - start

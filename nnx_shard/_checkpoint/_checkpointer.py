@@ -32,8 +32,8 @@ from nnx_shard._checkpoint._format import (
     mesh_metadata,
     storable,
     tree_fingerprints,
-    write_file_manifest,
 )
+from nnx_shard._checkpoint._manifest import write_file_manifest
 from nnx_shard._checkpoint._reads import CheckpointReader, registry
 from nnx_shard._checkpoint._workdir import set_aside_folder
 from nnx_shard._cluster import barrier_sync

@@ -13,7 +13,7 @@ import jax
 
 from nnx_shard._base import itemsize
 from nnx_shard._checkpoint._faults import describe, named, os_error, os_reason
-from nnx_shard._checkpoint._format import unreadable_json
+from nnx_shard._checkpoint._manifest import unreadable_json
 from nnx_shard.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 
 logger = logging.getLogger("nnx_shard")

@@ -15,13 +15,13 @@ from etils import epath
 from nnx_shard._checkpoint._directory import corrupted, read_limit, unreadable
 from nnx_shard._checkpoint._faults import storage_faults
 from nnx_shard._checkpoint._format import (
-    changed_files,
     leaf_paths,
     restore_keys,
     storage_target,
     structure_problems,
     tree_fingerprints,
 )
+from nnx_shard._checkpoint._manifest import changed_files
 from nnx_shard.errors import CheckpointCorruptError, CheckpointMismatchError, NoCheckpointError
 
 logger = logging.getLogger("nnx_shard")

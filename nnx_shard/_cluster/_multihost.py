@@ -20,7 +20,9 @@ DATA_AXES: tuple[str, ...] = ("dp", "fsdp", "data", "batch")
 _calls: collections.Counter[str] = collections.Counter()
 
 
-DEADLINE_EXCEEDED = 4  # absl's StatusCode::kDeadlineExceeded: JaxRuntimeError.error_code of a barrier that timed out
+DEADLINE_EXCEEDED = (
+    4  # absl's StatusCode::kDeadlineExceeded: JaxRuntimeError.error_code of a barrier that timed out
+)
 
 
 def _barrier_id(name: str | None) -> tuple[str, str]:

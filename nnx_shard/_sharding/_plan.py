@@ -47,7 +47,9 @@ class LeafPlacement:
 
     @classmethod
     def skipped(cls, leaf: Any) -> LeafPlacement:
-        return cls(leaf.path, None, "-", None, None, None, 0, 0, (Note(NoteKind.SKIPPED, "skipped: no shape"),))
+        return cls(
+            leaf.path, None, "-", None, None, None, 0, 0, (Note(NoteKind.SKIPPED, "skipped: no shape"),)
+        )
 
     @property
     def sharded(self) -> bool:
