@@ -1,7 +1,7 @@
 """A process killed with SIGKILL mid-run: how many steps are lost and how long until the survivors train again.
 
 Question: with ``nnx-shard launch`` and ``resume="auto"``, what does losing one of two
-processes (4 simulated devices each) cost? The job (tests/launch_app.py: an MLP, adamw + EMA,
+processes (4 simulated devices each) cost? The job (tests/apps/launch_app.py: an MLP, adamw + EMA,
 synchronous checkpoints every ``save_every`` steps) runs under the launcher. Process 1 kills
 itself after step ``kill_at``. The launcher restarts the job on the survivor, which restores
 the newest state onto 4 devices and trains to the end. The figures come from the job's
@@ -26,7 +26,7 @@ from common import machine, simulate_devices, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.launch_app import recovered_event, run_job  # noqa: E402
+from tests.apps.launch_app import recovered_event, run_job  # noqa: E402
 
 PHASES = ("detection_s", "relaunch_s", "read_reshard_s", "compile_s", "first_step_s")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.chaos_app import campaign  # noqa: E402
+from tests.apps.chaos_app import campaign  # noqa: E402
 
 
 def main() -> None:

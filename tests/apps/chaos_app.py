@@ -1,0 +1,295 @@
+"""Faults for real: damage a checkpoint in one of many ways, kill a training process at a chosen point.
+
+Used by tests/scenarios/test_reliability.py, tests/scenarios/test_chaos.py and ``make chaos``
+(benchmarks/chaos.py). A worker runs as ``python tests/apps/chaos_app.py WORKDIR
+KILL SEED`` and prints one JSON line: the digest of its final state and the
+step it restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+TOTAL, EVERY = 12, 3  # the run the chaos campaign interrupts: 12 steps, a checkpoint every 3
+
+
+def files_of(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file())
+
+
+def largest(step_dir: Path) -> Path:
+    return max((p for p in files_of(step_dir) if "/d/" in str(p)), key=lambda p: p.stat().st_size)
+
+
+def _flip(p: Path, at: float = 0.5) -> None:
+    data = bytearray(p.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _garbage(p: Path) -> None:
+    p.write_bytes(b"\x00not what was written{")
+
+
+DAMAGE = {
+    "flip_data": lambda s: _flip(largest(s)),
+    "truncate_data": lambda s: os.truncate(largest(s), largest(s).stat().st_size // 2),
+    "delete_data": lambda s: largest(s).unlink(),
+    "empty_all": lambda s: [os.truncate(p, 0) for p in files_of(s)],
+    "garbage_tree_metadata": lambda s: _garbage(s / "state" / "_METADATA"),
+    "garbage_json_metadata": lambda s: _garbage(s / "meta" / "metadata"),
+    "delete_state_folder": lambda s: shutil.rmtree(s / "state"),
+    "delete_checkpoint_metadata": lambda s: (s / "_CHECKPOINT_METADATA").unlink(),
+    "truncate_ocdbt_manifest": lambda s: os.truncate(s / "state" / "manifest.ocdbt", 7),
+    "garbage_array_metadata": lambda s: _garbage(next((s / "state" / "array_metadatas").iterdir())),
+    "garbage_sharding": lambda s: _garbage(s / "state" / "_sharding"),
+    "flip_manifest_of_files": lambda s: _garbage(s / "nnx_shard_files.json"),
+}
+
+
+def damage(step_dir: str | Path, kind: str) -> None:
+    """Damages a saved step in place, as a bad disk, a full disk or a careless hand would."""
+    DAMAGE[kind](Path(step_dir))
+
+
+# -- the worker: a short run, killed at a chosen point --------------------------------
+
+KILL_POINTS = (
+    "none",
+    "after_step_1",  # before any checkpoint
+    "after_step_3",  # just after the async save of step 3 started
+    "after_step_4",
+    "after_step_7",
+    "before_save_6",  # fingerprints computed, Orbax not started
+    "before_manifest_9",  # step 9 finalised by Orbax, its file manifest not yet written
+    "in_orbax_write_3",  # inside Orbax's write of step 3
+    "in_orbax_write_12",  # inside the final save
+    "timer",  # after a seeded random delay: anywhere, async saves included
+)
+
+
+def _kill() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(trainer, kill: str, seed: int) -> None:
+    import orbax.checkpoint as ocp
+
+    import nnx_shard._checkpoint._checkpointer as ckpt_module
+
+    if kill.startswith("after_step_"):
+        at = int(kill.rsplit("_", 1)[1])
+        trainer.add_callback(lambda step, metrics, t: _kill() if step == at else None)
+    elif kill == "before_save_6":
+        save = ckpt_module.Checkpointer.save
+
+        def patched(self, step, *a, **k):
+            if step == 6:
+                _kill()
+            return save(self, step, *a, **k)
+
+        ckpt_module.Checkpointer.save = patched
+    elif kill == "before_manifest_9":
+        write = ckpt_module.write_file_manifest
+
+        def patched_write(step_dir):
+            if step_dir.name == "9":
+                _kill()
+            return write(step_dir)
+
+        ckpt_module.write_file_manifest = patched_write
+    elif kill.startswith("in_orbax_write_"):
+        at = kill.rsplit("_", 1)[1]
+        handler = ocp.JsonCheckpointHandler
+        original = handler.async_save
+
+        async def patched_async(self, directory, *a, **k):
+            if f"/{at}." in str(directory) or str(directory).endswith(f"/{at}"):
+                threading.Timer(0.02, _kill).start()
+            return await original(self, directory, *a, **k)
+
+        handler.async_save = patched_async
+    elif kill == "timer":
+        delay = random.Random(seed).uniform(2.0, 9.0)
+        threading.Timer(delay, _kill).start()
+
+
+def digest(trainer) -> str:
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(trainer.states):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()
+
+
+def run(workdir: str, kill: str = "none", seed: int = 0) -> dict:
+    """Trains 12 steps with async saves every 3 and ``resume="auto"``; may be killed on the way."""
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    trainer = RegressionTrainer(
+        {**config(workdir, total_steps=TOTAL), "save_every": EVERY, "resume": "auto", "keep": 2}
+    )
+    _arm(trainer, kill, seed)
+    start = time.perf_counter()
+    trainer.init()
+    trainer.train(batch_for)
+    return {
+        "digest": digest(trainer),
+        "restored": trainer.restored_step,
+        "step": trainer.step,
+        "stop_reason": trainer.stop_reason,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+# -- the campaign: trials and what came of them ----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _worker(workdir: Path, kill: str, seed: int, timeout: float = 240.0) -> dict:
+    """Runs the worker in a fresh process: its exit code, its JSON line, its stderr's length and last line."""
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    try:
+        p = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "chaos_app.py"), str(workdir), kill, str(seed)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "hang": True, "stderr_lines": 0, "last": ""}
+    out = next((json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")), None)
+    err = p.stderr.strip().splitlines()
+    return {"rc": p.returncode, "out": out, "stderr_lines": len(err), "last": err[-1] if err else ""}
+
+
+def usable_steps(workdir: Path) -> list[int]:
+    """Steps a restore could use: finalised by Orbax (a step folder; temporaries are not steps)."""
+    folder = workdir / "checkpoints"
+    if not folder.exists():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+
+
+def judge(restart: dict, reference: str, had_usable: bool) -> str:
+    """``recovered`` (bitwise), ``named_error``, ``wrong`` (values differ, or a silent start from scratch), ``hang``."""
+    if restart.get("hang"):
+        return "hang"
+    if restart["rc"] != 0:
+        return "named_error" if "nnx_shard.errors." in restart["last"] else "unnamed_error"
+    out = restart["out"]
+    if out["digest"] != reference:
+        return "wrong"
+    if had_usable and out["restored"] is None:
+        return "wrong"  # started from scratch although a usable checkpoint was there
+    return "recovered"
+
+
+def kill_trial(tmp: Path, point: str, seed: int, reference: str) -> dict:
+    workdir = tmp / f"kill-{point}-{seed}"
+    first = _worker(workdir, point, seed)
+    had = bool(usable_steps(workdir))
+    restart = _worker(workdir, "none", seed)
+    return {
+        "trial": f"kill {point} (seed {seed})",
+        "killed": first["rc"] == -9,
+        **_outcome(restart, reference, had),
+    }
+
+
+def damage_trial(
+    tmp: Path, finished: Path, kind: str, seed: int, reference: str, *, every_step: bool = False
+) -> dict:
+    """Damages the newest step (or every step) of a finished run and restarts it with ``resume="auto"``.
+
+    With one step damaged the restart must recover from the one before; with
+    every step damaged it must stop with a named error rather than start over.
+    """
+    workdir = tmp / f"damage-{kind}-{seed}-{'all' if every_step else 'newest'}"
+    shutil.copytree(finished, workdir)
+    steps = usable_steps(workdir)
+    for step in steps if every_step else steps[-1:]:
+        damage(workdir / "checkpoints" / str(step), kind)
+    restart = _worker(workdir, "none", seed)
+    what = f"every step {steps}" if every_step else f"step {steps[-1]}"
+    return {"trial": f"damage {kind} of {what}", **_outcome(restart, reference, True)}
+
+
+def _outcome(restart: dict, reference: str, had_usable: bool) -> dict:
+    return {
+        "outcome": judge(restart, reference, had_usable),
+        "stderr_lines": restart["stderr_lines"],
+        "last": restart["last"][-300:],
+        "error": restart["last"].split(":", 1)[0] if restart.get("rc") not in (0, None) else None,
+        "restored": (restart.get("out") or {}).get("restored"),
+    }
+
+
+def campaign(tmp: Path, *, trials: int | None = None, seed: int = 0) -> tuple[list[dict], dict]:
+    """Every kill point and damage kind once (``trials`` None), or ``trials`` seeded draws of them."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    finished = tmp / "reference"
+    ref = _worker(finished, "none", 0)
+    if ref["rc"] != 0:
+        raise RuntimeError(f"the reference run failed: {ref['last']}")
+    reference = ref["out"]["digest"]
+    rng = random.Random(seed)
+    plan = [("kill", p, 0) for p in KILL_POINTS[1:]] + [("damage", k, 0) for k in DAMAGE]
+    plan.append(("damage_all", "truncate_data", 0))
+    if trials is not None:
+        kinds = ["kill", "damage", "damage", "damage_all"]
+        plan = plan + [
+            (rng.choice(kinds), None, rng.randrange(10**6)) for _ in range(max(0, trials - len(plan)))
+        ]
+    results = []
+    for what, name, s in plan:
+        if what == "kill":
+            results.append(kill_trial(tmp, name or rng.choice(KILL_POINTS[1:]), s, reference))
+        else:
+            kind = name or rng.choice(sorted(DAMAGE))
+            results.append(damage_trial(tmp, finished, kind, s, reference, every_step=what == "damage_all"))
+    counts = {
+        "trials": len(results),
+        "recovered_bitwise": sum(r["outcome"] == "recovered" for r in results),
+        "named_errors": sum(r["outcome"] == "named_error" for r in results),
+        "unnamed_errors": sum(r["outcome"] == "unnamed_error" for r in results),
+        "wrong_values": sum(r["outcome"] == "wrong" for r in results),
+        "hangs": sum(r["outcome"] == "hang" for r in results),
+        "max_stderr_lines": max(r["stderr_lines"] for r in results),
+    }
+    return results, counts
+
+
+if __name__ == "__main__":  # python tests/apps/chaos_app.py WORKDIR KILL SEED
+    import jax
+
+    os.environ.pop("XLA_FLAGS", None)
+    jax.config.update("jax_num_cpu_devices", 8)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import nnx_shard as ns
+
+    try:
+        print(json.dumps(run(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)
+    except (
+        ns.NnxShardError
+    ) as e:  # as a job script reports it: one line (what the library printed stays above)
+        print(f"{type(e).__module__}.{type(e).__name__}: {e}".replace("\n", " "), file=sys.stderr)
+        sys.exit(1)

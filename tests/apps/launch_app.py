@@ -1,0 +1,128 @@
+"""A training job run under `nnx-shard launch` by the tests: it may kill one of its own processes mid-run.
+
+python tests/apps/launch_app.py WORKDIR [--kill PROCESS:STEP] [--step-timeout S --hang-at STEP]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import nnx_shard as ns
+
+info = ns.initialize_distributed(heartbeat_timeout=5, shutdown_timeout=5)
+
+import jax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from tests.apps.trainer_app import RegressionTrainer, batch_for, config, digest  # noqa: E402
+
+ROWS = 24  # a global batch every process count here divides (1, 2 or 3 processes)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_job(
+    workdir: Path,
+    processes: int,
+    devices: int,
+    kill: str,
+    steps: int = 8,
+    timeout: float = 240,
+    extra: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """This app under ``nnx-shard launch`` (one restart, 1 s grace), process:step ``kill`` killing itself;
+    ``extra``: more of the app's options (``--snapshot-every``, ``--flip``)."""
+    launcher = [sys.executable, "-m", "nnx_shard", "launch", "--grace", "1", "--max-restarts", "1"]
+    sizes = ["--processes", str(processes), "--devices-per-process", str(devices)]
+    app = [sys.executable, __file__, str(workdir), "--kill", kill, "--steps", str(steps), *extra]
+    return subprocess.run(
+        [*launcher, *sizes, "--", *app],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(ROOT)},
+    )
+
+
+def recovered_event(workdir: Path) -> dict:
+    """The one ``recovered`` event in the job's metrics.jsonl."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    (recovered,) = [r for r in records if r.get("event") == "recovered"]
+    return recovered
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workdir")
+    ap.add_argument(
+        "--kill",
+        default="",
+        help="PROCESS:STEP: that process kills itself (SIGKILL) after STEP, first run only",
+    )
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--step-timeout", type=float, default=0.0)
+    ap.add_argument("--hang-at", type=int, default=-1)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--width", type=int, default=64, help="of the MLP's hidden layers")
+    ap.add_argument("--snapshot-every", type=int, default=0)
+    ap.add_argument("--flip", action="store_true", help="on a restart, flip a byte of each snapshot file")
+    args = ap.parse_args()
+    restart = info.restart if info is not None else 0
+    trainer = RegressionTrainer(
+        {
+            **config(args.workdir, total_steps=args.steps),
+            "save_every": args.save_every,
+            "width": args.width,
+            "snapshot_every": args.snapshot_every,
+            "snapshot_dir": str(Path(args.workdir) / "snapshots"),
+            "async_checkpoint": False,
+            "resume": "auto",
+            "step_timeout": args.step_timeout,
+            "heartbeat_timeout": 5,
+            "shutdown_timeout": 5,
+        }
+    )
+    if args.kill and restart == 0:
+        who, at = (int(x) for x in args.kill.split(":"))
+
+        def kill(step, metrics, t):
+            if step == at and jax.process_index() == who:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.add_callback(kill)
+    if args.flip and restart > 0:  # memory gone bad on a survivor: every snapshot it holds has a flipped byte
+        for f in Path(args.workdir, "snapshots").glob(
+            f"run-{restart - 1}/process-{info.previous_id}/*/*.bin"
+        ):
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF
+            f.write_bytes(bytes(data))
+    if args.hang_at >= 0:
+        trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
+    history = trainer.train(lambda step: batch_for(step, rows=ROWS))
+    kernel = trainer.states["model"]["out"]["kernel"].get_value()
+    result = {
+        "restart": restart,
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "restored_step": trainer.restored_step,
+        "restored_from": trainer.lineage.restored_from,
+        "losses": {int(h["step"]): h["loss"] for h in history},
+        "digest": digest(trainer),
+        "kernel": [float(v) for v in multihost_utils.process_allgather(kernel, tiled=True).ravel()],
+    }
+    if jax.process_index() == 0:
+        Path(args.workdir, f"result-{restart}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Functions the multi-process tests run in every worker; each returns JSON-ready data."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+
+
+def barriers(rounds: int = 3):
+    t = time.monotonic()
+    for i in range(rounds):
+        ns.barrier_sync("step", timeout=30)
+        ns.barrier_sync(f"named-{i}", timeout=30)
+        ns.barrier_sync(timeout=30)  # unnamed: a per-process counter
+    return {"seconds": time.monotonic() - t, "processes": jax.process_count()}
+
+
+def mismatched_names(timeout: float = 3.0):
+    me = jax.process_index()
+    if me == jax.process_count() - 1:
+        time.sleep(timeout + 3)  # never reaches a barrier, stays alive
+        return "skipped"
+    start = time.monotonic()
+    try:
+        ns.barrier_sync("save" if me == 0 else "restore", timeout=timeout)
+    except ns.BarrierTimeoutError as e:
+        return {"message": str(e), "seconds": time.monotonic() - start}
+    return "passed"
+
+
+def crash_one(timeout: float = 5.0):
+    if jax.process_index() == 1:
+        os._exit(3)  # dies without a word, as a segfault or OOM kill would
+    start = time.monotonic()
+    try:
+        ns.barrier_sync("after-crash", timeout=timeout)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return "passed"
+
+
+def placement():
+    mesh = ns.create_mesh((2, -1), ("dp", "fsdp"))
+    full = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    target = {"w": NamedSharding(mesh, P("dp", "fsdp")), "b": NamedSharding(mesh, P()), "tag": None}
+    out = ns.place_like_target({"w": full, "b": np.float32(2.5), "tag": "x"}, target)
+    w = out["w"]
+    shards = [
+        {
+            "bounds": [
+                [i.start or 0, i.stop if i.stop is not None else n]
+                for i, n in zip(s.index, w.shape, strict=True)
+            ],
+            "data": np.asarray(s.data).tolist(),
+        }
+        for s in w.addressable_shards
+    ]
+    total = float(jax.jit(lambda x, b: (x * b).sum())(w, out["b"]))  # a real cross-process reduction
+    others = [d for d in jax.devices() if d.process_index != jax.process_index()]
+    try:
+        ns.place_like_target(
+            {"w": full}, {"w": NamedSharding(jax.sharding.Mesh(np.array(others), ("x",)), P())}
+        )
+        foreign = "placed"
+    except ns.PlacementError as e:
+        foreign = str(e)
+    return {
+        "global_shape": list(w.shape),
+        "local_shards": shards,
+        "total": total,
+        "tag": out["tag"],
+        "foreign": foreign,
+    }
+
+
+def local_global():
+    me = jax.process_index()
+    local = np.full((4, 3), me, dtype=np.float32) + np.arange(4)[:, None]
+    x = ns.compat.make_fsarray_from_local_slice(local, jax.devices())
+    back = ns.compat.get_local_slice_from_fsarray(x)
+    mesh = ns.create_mesh((-1, 2), ("dp", "tp"))
+    batch = ns.host_local_to_global({"x": local, "y": np.full((4,), me)}, mesh)
+    per_process_sum = jax.jit(lambda b: b["y"].reshape(jax.process_count(), -1).sum(axis=1))(batch)
+    errors = []
+    for bad in (np.ones((3, 3)), np.float32(1)):
+        try:
+            ns.compat.make_fsarray_from_local_slice(bad, jax.devices())
+        except ns.LocalSliceError as e:
+            errors.append(str(e))
+    return {
+        "global_shape": list(x.shape),
+        "global_sum": float(jax.jit(jnp.sum)(x)),
+        "roundtrip": bool((back == local).all()),
+        "batch_shape": list(batch["x"].shape),
+        "batch_spec": str(batch["x"].sharding.spec),
+        "per_process_sum": np.asarray(jax.device_get(per_process_sum.addressable_shards[0].data)).tolist()
+        if False
+        else [
+            int(v)
+            for v in np.asarray(
+                jax.experimental.multihost_utils.process_allgather(per_process_sum, tiled=True)
+            )
+        ],
+        "errors": errors,
+    }
+
+
+def infer_everywhere():
+    import optax
+    from flax import nnx
+
+    mesh = ns.create_mesh((2, -1), ("dp", "fsdp"))
+
+    def create():
+        model = nnx.Linear(64, 128, rngs=nnx.Rngs(0))
+        return {
+            "model": model,
+            "opt": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, 0.9),
+        }
+
+    shardings = ns.infer_sharding(
+        nnx.eval_shape(create), [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh
+    )
+    flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+    described = [(jax.tree_util.keystr(p), str(s.spec), [d.id for d in s.mesh.devices.flat]) for p, s in flat]
+    objects, _ = ns.create_sharded(create, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
+    kernel = objects["model"].kernel.get_value()
+    return {
+        "shardings": described,
+        "kernel_spec": str(kernel.sharding.spec),
+        "kernel_local_shards": len(kernel.addressable_shards),
+    }
+
+
+def hang_in_a_collective(hang: int) -> dict:
+    """Process ``hang`` sleeps; the other waits for it in a collective until its watchdog ends it."""
+    from jax.experimental import multihost_utils
+
+    from nnx_shard._trainer._watchdog import Watchdog
+
+    dog = Watchdog()
+    dog.arm("step 2", 60, "step_timeout")
+    multihost_utils.sync_global_devices("both in step 2")
+    if jax.process_index() == hang:
+        time.sleep(8)
+        return {}
+    dog.arm("step 3", 2, "step_timeout")
+    multihost_utils.process_allgather(np.zeros(1))
+    return {"arrived": True}
+
+
+def load_and_export(folder: str, out: str) -> dict:
+    """Loads Hugging Face-named weights into a model sharded over both processes, then exports it."""
+    import jax
+    from flax import nnx
+
+    import nnx_shard as ns
+    from tests.weights.test_safetensors import RULES, STRATEGY, Tiny
+
+    mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
+    model = ns.create_sharded(lambda: Tiny(nnx.Rngs(3)), STRATEGY, mesh)[0]
+    report = ns.load_safetensors(model, folder, RULES)
+    written = ns.save_safetensors(model, out, RULES, like=folder)
+    return {"read": report.bytes_read, "needed": report.bytes_needed, "written": written}

@@ -1,0 +1,93 @@
+"""A harness that runs a function in several real JAX processes joined on 127.0.0.1."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nnx_shard._cluster._launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass
+class WorkerResult:
+    pid: int
+    returncode: int | None  # None: killed at the deadline
+    value: object = None
+    error: str | None = None
+    message: str = ""
+    log: str = ""
+
+    def ok(self):
+        assert self.error is None and self.returncode == 0, (
+            f"process {self.pid}: {self.error}: {self.message}\n{self.log[-3000:]}"
+        )
+        return self.value
+
+
+def run_processes(
+    target: str, n: int, devices: int = 2, *, args: dict | None = None, deadline_s: float = 120, tmp: Path
+) -> tuple[list[WorkerResult], float]:
+    """Runs ``target`` (``module:function``) in ``n`` processes of ``devices`` CPU devices each.
+
+    Returns one result per process and the wall time. Processes still
+    running at the deadline are killed (returncode None), so a hung worker
+    can never hold the test suite.
+    """
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for pid in range(n):
+        out = tmp / f"result{pid}.json"
+        log = open(tmp / f"log{pid}.txt", "w")
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests" / "mh_bootstrap.py"),
+            target,
+            str(port),
+            str(n),
+            str(pid),
+            str(devices),
+            json.dumps(args or {}),
+            str(out),
+        ]
+        procs.append(
+            (
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                ),
+                out,
+                log,
+            )
+        )
+    results = []
+    for pid, (p, out, log) in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(0.1, deadline_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = None
+        log.close()
+        data = json.loads(out.read_text()) if out.exists() else {}
+        results.append(
+            WorkerResult(
+                pid=pid,
+                returncode=rc,
+                value=data.get("value"),
+                error=data.get("error"),
+                message=data.get("message", ""),
+                log=(tmp / f"log{pid}.txt").read_text(),
+            )
+        )
+    return results, time.monotonic() - start

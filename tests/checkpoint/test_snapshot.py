@@ -1,0 +1,116 @@
+"""In-memory snapshots: own shards plus a peer's copy through a JAX ppermute, per process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from nnx_shard._checkpoint._snapshot import HEADER, peers, unpack
+
+
+def assemble(pieces: dict, shapes: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for (path, index), data in pieces.items():
+        whole = out.setdefault(path, np.zeros(shapes[path], data.dtype))
+        whole[tuple(slice(a, b) for a, b in json.loads(index))] = data
+    return out
+
+
+def test_each_process_holds_its_shards_and_a_peers_and_together_they_make_the_state(multiprocess, tmp_path):
+    folder = tmp_path / "snap"
+    results, _ = multiprocess("tests.apps.snapshot_workers:write", 2, devices=4, args={"folder": str(folder)})
+    values = [r.ok() for r in results]
+    assert [v["dest"] for v in values] == [[1, 0], [1, 0]]
+    own, shapes = {}, {}
+    for pid in (0, 1):
+        mine = folder / f"process-{pid}"
+        assert sorted(p.name for p in mine.iterdir()) == ["step-6", "step-9"]  # the newest two
+        step = mine / "step-9"
+        assert sorted(p.name for p in step.iterdir()) == ["own.bin", f"peer-{1 - pid}.bin"]
+        header, pieces = unpack(np.fromfile(step / "own.bin", np.uint8))
+        assert header["step"] == 9 and header["process"] == pid
+        own.update(pieces)
+        shapes.update({p["path"]: p["shape"] for p in header["pieces"]})
+        # The peer copy is the other process's own buffer, byte for byte.
+        other = np.fromfile(folder / f"process-{1 - pid}" / "step-9" / "own.bin", np.uint8)
+        np.testing.assert_array_equal(np.fromfile(step / f"peer-{1 - pid}.bin", np.uint8), other)
+    state = assemble(own, shapes)
+    digests = values[0]["digests"]
+    assert set(state) == set(digests)
+    for path, whole in state.items():
+        assert hashlib.sha256(whole.tobytes()).hexdigest() == digests[path], path
+    packed = 2 * (values[0]["bytes"][0] + values[0]["bytes"][1])  # own + peer, 2 kept, with headers
+    assert 0 < values[0]["need"] <= packed  # the estimate counts the arrays, not the JSON headers
+
+
+def test_a_flipped_byte_is_refused(multiprocess, tmp_path):
+    folder = tmp_path / "snap"
+    [
+        r.ok()
+        for r in multiprocess(
+            "tests.apps.snapshot_workers:write", 2, devices=2, args={"folder": str(folder)}
+        )[0]
+    ]
+    buf = np.fromfile(folder / "process-0" / "step-9" / "own.bin", np.uint8)
+    size = int.from_bytes(bytes(buf[:HEADER]), "little")
+    buf[HEADER + size + 5] ^= 0xFF
+    with pytest.raises(ValueError, match="differs from what was written"):
+        unpack(buf)
+
+
+def test_peers_leave_their_failure_domain():
+    assert peers(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert peers(["b", "a", "b", "a"]) == [1, 0, 3, 2]
+    assert peers(["h"] * 3) == [1, 2, 0]
+    dest = peers(["x", "y", "z"])
+    assert sorted(dest) == [0, 1, 2] and all(d != i for i, d in enumerate(dest))
+
+
+def test_the_trainer_snapshots_every_n_steps_and_refuses_to_start_without_the_memory(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    import nnx_shard as ns
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    snap = tmp_path / "snap"
+    cfg = {**config(str(tmp_path / "run"), total_steps=6), "snapshot_every": 2, "snapshot_dir": str(snap)}
+    trainer = RegressionTrainer(cfg)
+    trainer.train(batch_for, steps=5)
+    assert sorted(p.name for p in (snap / "process-0").iterdir()) == ["step-2", "step-4"]
+    header, _ = unpack(np.fromfile(snap / "process-0" / "step-4" / "own.bin", np.uint8))
+    assert header["step"] == 4 and "model/l1/kernel" in header["fingerprints"]
+    trainer.train(batch_for)  # to the end: a finished run frees the memory its snapshots held
+    assert not (snap / "process-0").exists()
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "snapshot"] == [2, 4, 6]  # 6: in the second call
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    again = RegressionTrainer({**cfg, "workdir": str(tmp_path / "run2")})
+    with pytest.raises(ns.ConfigError, match=r"snapshots need .* MiB in .*snap .* and 0.0 MiB are free"):
+        again.train(batch_for)
+
+
+def test_a_snapshot_restores_onto_more_processes_than_it_had(tmp_path, multiprocess):
+    import jax
+
+    import nnx_shard as ns
+    from nnx_shard._checkpoint._snapshot import SnapshotWriter
+    from tests.apps.snapshot_workers import _states
+
+    states = _states(ns.create_mesh((8,), ("fsdp",)))  # one process of 8 devices writes it
+    writer = SnapshotWriter(tmp_path / "snap", keep=2)
+    writer.write(7, states)
+    writer.wait()
+    expected = {p: hashlib.sha256(np.asarray(x).tobytes()).hexdigest() for p, x in ns.flatten_state(states)}
+    results, _ = multiprocess(
+        "tests.apps.snapshot_workers:restore_onto_more", 2, devices=2, args={"folder": str(tmp_path / "snap")}
+    )
+    for r in results:
+        assert r.returncode == 0, r.message + r.log[-2000:]
+        assert r.value["step"] == 7 and r.value["digests"] == expected  # bitwise, whoever held it
+        assert r.value["devices"]["model/layers/0/kernel"] == 4  # on the new run's 2 x 2 devices
+    assert jax.process_count() == 1

@@ -1,0 +1,196 @@
+"""nnx-shard launch: a job restarted on its survivors after kill -9, its exit status, and hangs that end a process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnx_shard as ns
+from tests.apps.launch_app import recovered_event, run_job
+from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = str(ROOT / "tests" / "launch_app.py")
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nnx_shard", "launch", "--grace", "3", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(ROOT)},
+    )
+
+
+def events(done: subprocess.CompletedProcess) -> list[str]:
+    return [
+        line.removeprefix("nnx-shard launch: ")
+        for line in done.stdout.splitlines()
+        if line.startswith("nnx-shard launch: ")
+    ]
+
+
+PHASES = ("detection_s", "relaunch_s", "read_reshard_s", "compile_s", "first_step_s")
+SNAPSHOTS = ("--save-every", "4", "--snapshot-every", "1")  # a checkpoint at 4, a snapshot every step
+
+
+_REFERENCE: dict[int, tuple[dict[int, float], np.ndarray]] = {}
+
+
+def uninterrupted(tmp_path: Path, steps: int = 8) -> tuple[dict[int, float], np.ndarray]:
+    """The losses and final kernel of the same run without a death, in this process on 8 devices (once)."""
+    if steps not in _REFERENCE:
+        reference = RegressionTrainer({**config(str(tmp_path / "ref"), total_steps=steps), "save_every": 2})
+        history = {int(h["step"]): h["loss"] for h in reference.train(lambda s: batch_for(s, rows=24))}
+        _REFERENCE[steps] = (
+            history,
+            np.asarray(reference.states["model"]["out"]["kernel"].get_value()).ravel(),
+        )
+    return _REFERENCE[steps]
+
+
+def finished(
+    workdir: Path, done: subprocess.CompletedProcess, death: str, processes: int, devices: int
+) -> dict:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    plural = "es" if processes > 1 else ""
+    assert events(done)[1:] == [
+        f"{death}; restart 1 on {processes} process{plural} x {devices} devices",
+        f"job finished on {processes} process{plural}",
+    ]
+    return json.loads((workdir / "result-1.json").read_text())
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_kill_9_restarts_on_the_survivor_from_snapshots_and_matches_an_uninterrupted_run(tmp_path, lost):
+    workdir = tmp_path / "job"
+    done = run_job(workdir, 2, 4, f"{lost}:6", extra=SNAPSHOTS)
+    result = finished(workdir, done, f"process {lost} killed by SIGKILL", 1, 4)
+    # step 6 ran but its snapshot was never taken: the survivor goes on from the snapshot of step 5
+    assert (result["processes"], result["devices"], result["restored_step"]) == (1, 4, 5)
+    recovered = recovered_event(workdir)
+    assert recovered["source"] == "snapshot" and recovered["restored_step"] == 5
+    assert (recovered["processes_before"], recovered["processes_after"], recovered["restart"]) == (2, 1, 1)
+    assert all(recovered[p] >= 0 for p in PHASES), recovered
+    assert recovered["compile_s"] > 0 and recovered["read_reshard_s"] > 0
+    history, kernel = uninterrupted(tmp_path)
+    np.testing.assert_allclose(
+        [result["losses"][str(s)] for s in (6, 7, 8)], [history[s] for s in (6, 7, 8)], rtol=1e-4
+    )
+    np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
+    snapshots = workdir / "snapshots"  # the survivor's own of the run before, and the lost one's, are freed
+    assert not (snapshots / "run-0").exists() or not list((snapshots / "run-0").iterdir())
+
+
+def test_a_snapshot_with_a_flipped_byte_is_refused_and_the_checkpoint_used(tmp_path):
+    workdir = tmp_path / "job"
+    done = run_job(workdir, 2, 4, "1:6", extra=(*SNAPSHOTS, "--flip"))
+    result = finished(workdir, done, "process 1 killed by SIGKILL", 1, 4)
+    assert (
+        "the snapshot of step 5 does not read" in done.stderr
+        and "differs from what was written" in done.stderr
+    )
+    assert (result["restored_step"], result["restored_from"]) == (4, "checkpoint")
+    assert recovered_event(workdir)["source"] == "checkpoint"
+    history, kernel = uninterrupted(tmp_path)
+    np.testing.assert_allclose(
+        [result["losses"][str(s)] for s in range(5, 9)], [history[s] for s in range(5, 9)], rtol=1e-4
+    )
+    np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
+
+
+def test_losing_process_0_of_3_restarts_on_2_from_snapshots_without_a_checkpoint(tmp_path):
+    workdir = tmp_path / "job"
+    done = run_job(workdir, 3, 2, "0:3", steps=6, extra=SNAPSHOTS)
+    result = finished(workdir, done, "process 0 killed by SIGKILL", 2, 2)
+    assert (result["processes"], result["devices"], result["restored_step"]) == (2, 4, 2)
+    assert result["restored_from"] == "snapshot" and sorted(result["losses"]) == ["3", "4", "5", "6"]
+    history, kernel = uninterrupted(tmp_path, steps=6)
+    np.testing.assert_allclose(
+        [result["losses"][str(s)] for s in range(3, 7)], [history[s] for s in range(3, 7)], rtol=1e-4
+    )
+    np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
+
+
+def test_the_job_exit_status_and_when_it_gives_up(tmp_path):
+    code = "import os, sys; sys.exit(3 if os.environ['NNX_SHARD_PROCESS_ID'] == '1' else 0)"
+    done = launch(
+        "--processes", "2", "--min-processes", "2", "--max-restarts", "5", "--", sys.executable, "-c", code
+    )
+    assert done.returncode == 3
+    assert (
+        events(done)[1]
+        == "process 1 exited with status 3; not restarting (1 left, below --min-processes 2); exit status 3"
+    )
+    names = ("PROCESS_ID", "NUM_PROCESSES", "RESTART")
+    # one write per line: the two processes share the launcher's stdout
+    env = f"import os; os.write(1, (' '.join([*(os.environ['NNX_SHARD_' + n] for n in {names}), os.environ['JAX_NUM_CPU_DEVICES']]) + chr(10)).encode())"
+    done = launch("--processes", "2", "--devices-per-process", "3", "--", sys.executable, "-c", env)
+    printed = sorted(line for line in done.stdout.splitlines() if not line.startswith("nnx-shard launch"))
+    assert done.returncode == 0 and printed == ["0 2 0 3", "1 2 0 3"]
+    bad = launch("--processes", "2", "--min-processes", "3", "--", "true")
+    assert bad.returncode == 2 and "ConfigError" in bad.stderr and "--min-processes" in bad.stderr
+
+
+def test_a_hung_step_ends_the_process_naming_the_section(tmp_path):
+    done = subprocess.run(
+        [sys.executable, APP, str(tmp_path / "job"), "--step-timeout", "2", "--hang-at", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 124, done.stderr[-2000:]
+    assert (
+        "nnx_shard: step 3 did not finish within 2 s (config.step_timeout) in process 0 of 1" in done.stderr
+    )
+
+
+def test_the_watchdog_says_what_the_coordination_service_knows_of_the_peers(multiprocess):
+    results, _ = multiprocess(
+        "tests.apps.mh_workers:hang_in_a_collective", 2, args={"hang": 1}, deadline_s=60
+    )
+    assert results[0].returncode == 124, results[0].log[-2000:]
+    assert (
+        "step 3 did not finish within 2 s (config.step_timeout) in process 0 of 2; process 1 is still in "
+        "step 2: a peer may have died or hung" in results[0].log
+    )
+
+
+def test_launch_info_reads_the_launcher_variables(monkeypatch):
+    assert ns.launch_info() is None
+    monkeypatch.setenv("NNX_SHARD_COORDINATOR", "127.0.0.1:1234")
+    monkeypatch.setenv("NNX_SHARD_NUM_PROCESSES", "2")
+    monkeypatch.setenv("NNX_SHARD_PROCESS_ID", "1")
+    monkeypatch.setenv("NNX_SHARD_RESTART", "2")
+    monkeypatch.setenv("NNX_SHARD_PREVIOUS_ID", "2")
+    monkeypatch.setenv("NNX_SHARD_LOST", "1")
+    assert ns.launch_info() == ns.LaunchInfo("127.0.0.1:1234", 2, 1, restart=2, previous_id=2, lost=(1,))
+    monkeypatch.setenv("NNX_SHARD_PROCESS_ID", "two")
+    with pytest.raises(ns.ConfigError, match="NNX_SHARD_PROCESS_ID must be an integer; got 'two'"):
+        ns.launch_info()
+    monkeypatch.setenv("NNX_SHARD_PROCESS_ID", "5")
+    with pytest.raises(ns.ConfigError, match="not a process of NNX_SHARD_NUM_PROCESSES=2"):
+        ns.launch_info()
+
+
+def test_cluster_examples_are_well_formed():
+    sbatch = ROOT / "examples" / "cluster" / "slurm.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)], capture_output=True).returncode == 0
+    sys.path.insert(0, str(ROOT))
+    from examples.vit.train import parse
+
+    args = parse(
+        ["--workdir", "w", "--real-devices", "--distributed", "--resume-auto", "--step-timeout", "600"]
+    )
+    assert args.resume_auto and args.step_timeout == 600 and args.distributed
+    for text in (sbatch.read_text(), (ROOT / "examples" / "cluster" / "jobset.yaml").read_text()):
+        assert "--resume-auto" in text and "--step-timeout" in text

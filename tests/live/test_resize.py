@@ -1,0 +1,100 @@
+"""Resizing a live job in-process: the hooks' on_mesh_change and Trainer.resize, in one and in several processes."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+from tests.apps.trainer_app import DropoutBN, RegressionTrainer, batch_for, config, digest
+from tests.helpers import no_host_transfers
+
+STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+
+def host_copy(states):
+    def one(x):
+        return np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        )
+
+    return [one(x) for x in jax.tree.leaves(states)]
+
+
+def test_on_mesh_change_moves_the_live_objects_bitwise_without_the_host():
+    mesh8 = ns.create_mesh((8,), ("fsdp",))
+    hooks = ns.ShardingHooks(STRATEGY, mesh8)
+
+    def create():
+        model = DropoutBN(nnx.Rngs(0), width=256)
+        return {
+            "model": model,
+            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, decay=0.9, only=nnx.Param),
+        }
+
+    objects = hooks.on_init(create)
+    before = host_copy(hooks.states())
+    old_kernel = objects["model"].l1.kernel.get_value()
+    mesh4 = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[4:])
+    with no_host_transfers():
+        report = hooks.on_mesh_change(mesh4)
+    assert str(report).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4): ")
+    assert report.bytes_moved == report.ideal_bytes > 0 and not report.through_host
+    assert old_kernel.is_deleted()  # donated: the old layout's buffers are freed
+    kernel = objects["model"].l1.kernel.get_value()  # the objects the user holds are the live ones
+    assert kernel.sharding.spec == P(None, "fsdp") and {d.id for d in kernel.devices()} == {4, 5, 6, 7}
+    assert hooks.mesh is mesh4 and hooks.plan.mesh is mesh4
+    key = objects["model"].drop.rngs.key.get_value()
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.sharding.mesh is mesh4
+    for a, b in zip(before, host_copy(hooks.states()), strict=True):
+        np.testing.assert_array_equal(a, b)  # keys, counts, statistics, optimizer, EMA
+    for x, s in zip(jax.tree.leaves(hooks.states()), jax.tree.leaves(hooks.shardings), strict=True):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    trainer = RegressionTrainer(config("", total_steps=9))
+    return [h["loss"] for h in trainer.train(batch_for)]
+
+
+def test_trainer_resized_8_to_4_to_8_keeps_the_loss_curve(uninterrupted, tmp_path):
+    expected = uninterrupted
+    trainer = RegressionTrainer(config(str(tmp_path), total_steps=9, async_checkpoint=False))
+    losses = [h["loss"] for h in trainer.train(batch_for, steps=3)]
+    shrink = trainer.resize("fsdp:-1", devices=jax.devices()[4:])
+    assert str(shrink).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
+    losses += [h["loss"] for h in trainer.train(batch_for, steps=3)]
+    grow = trainer.resize(ns.create_mesh((2, 4), ("dp", "fsdp")))  # another shape: dp:2 x fsdp:4
+    assert str(grow).startswith("moved from 4 devices (fsdp=4) to 8 devices (dp=2, fsdp=4)")
+    losses += [h["loss"] for h in trainer.train(batch_for)]
+    np.testing.assert_allclose(losses, expected, rtol=2e-5, atol=1e-6)
+    events = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events if "event" in e]
+    assert kinds.count("resize") == 2 and kinds.count("compile") == 3  # one recompile after each resize
+    # A checkpoint saved after a resize restores anywhere, bitwise.
+    again = RegressionTrainer(
+        config(str(tmp_path), mesh=ns.create_mesh((2,), ("fsdp",), devices=jax.devices()[:2]))
+    )
+    assert str(again.restore_and_reshard()) == (
+        "restored step 9, saved on 8 devices (dp=2, fsdp=4), onto 2 devices (fsdp=2)"
+    )
+    assert digest(again) == digest(trainer)
+
+
+@pytest.mark.multihost
+def test_resize_across_two_processes(multiprocess):
+    results, _ = multiprocess("tests.apps.trainer_app:resize_worker", 2, devices=4, deadline_s=240)
+    for r in results:
+        v = r.ok()
+        np.testing.assert_allclose(v["got"], v["expected"], rtol=2e-5, atol=1e-6)
+        assert v["there"].startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
+        assert v["back"].startswith("moved from 4 devices (fsdp=4) to 8 devices (fsdp=8)")
+        assert v["half_mesh"] == {"fsdp": 4} and v["bitwise"] == [True, True]

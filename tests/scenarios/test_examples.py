@@ -1,0 +1,197 @@
+"""Smoke tests: the demo and each benchmark run for a few steps, as a user would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, cwd=ROOT):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_sharding_demo():
+    out = run("examples/sharding_demo.py", "--steps", "3")
+    placed = re.search(r"fullest device holds (.*) \(plan: (.*)\)", out)
+    assert placed and placed.group(1) == placed.group(2), out
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert "still P(None, 'fsdp') after training" in out
+
+
+def test_finetune_hf_example(tmp_path):
+    pytest.importorskip("tunix")
+    out = run("examples/finetune_hf/finetune.py", "--steps", "4", "--workdir", str(tmp_path))
+    assert "resumed from step 2 on 4 devices" in out
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert (tmp_path / "peft" / "adapter_config.json").is_file()
+
+
+def test_lora_example(tmp_path):
+    out = run("examples/lora/finetune.py", "--steps", "6", "--workdir", str(tmp_path))
+    figures = json.loads(out[out.rindex("\n{") + 1 :])
+    assert figures["logits_vs_numpy_max_diff"] < 1e-4  # the load is right, not just shaped right
+    assert figures["load_bytes_read_over_needed"] == 1.0
+    assert figures["eval_loss_after"] < figures["eval_loss_before"]
+    assert figures["resumed_from_step"] == 3 and figures["export_vs_tuned_logits_max_diff"] < 1e-4
+    assert 0 < figures["trainable_bytes"] < figures["frozen_bytes"]
+
+
+def check_infer(result):
+    assert result["jax_arrays_allocated"] == 0
+    assert result["leaves"] == 4 * 16 * 4 + 2  # model, mu, nu, EMA per layer, + count and step
+    # 6 kernels under anchored rules, in the model, adam mu and nu, and the EMA.
+    assert result["leaves_matched_by_parameter_path"] == 4 * 6 * 4
+
+
+def check_init(result):
+    ours, base = result["runs"]["create_sharded"], result["runs"]["init_then_device_put"]
+    assert ours["checksum"] == base["checksum"]
+    assert ours["live_bytes_fullest_device"] == ours["plan_bytes_per_device"]
+    assert ours["mu_spec"] == "P(None, 'fsdp')"
+
+
+def check_reshard(result):
+    ours = result["runs"]["nnx_shard.reshard"]
+    assert ours["goes_through_host"] is False
+    assert ours["bytes_moved"] == ours["ideal_bytes"]
+    assert 0 <= ours["measured_transient_bytes_per_device"] <= ours["peak_bytes_per_device"]
+    assert result["runs"]["host round trip"]["goes_through_host"] is True
+
+
+def check_resize(result):
+    assert result["all_bitwise_equal"] is True
+    ours = result["runs"]["nnx_shard on_mesh_change"]
+    assert ours["cold"]["to_4"]["bytes_moved"] == ours["cold"]["to_4"]["ideal_bytes"] > 0
+    assert ours["cold"]["to_4"]["report"].startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
+    assert ours["cold"]["to_4"]["fullest_device_after_bytes"] == ours["cold"]["to_4"]["plan_bytes_per_device"]
+
+
+def ratio_of(r, ratio, ours, base):
+    """A reported ratio is finite and is the ratio of the two reported figures (as rounded in the JSON)."""
+    assert 0 < r[ours] < float("inf") and 0 < r[base] < float("inf"), (r[ours], r[base])
+
+    def half_unit(x):  # the rounding of a figure written with d decimals
+        return 0.5 * 10.0 ** -len(repr(float(x)).split(".")[1]) if "e" not in repr(float(x)) else 0.0
+
+    lo = (r[ours] - half_unit(r[ours])) / (r[base] + half_unit(r[base]))
+    hi = (r[ours] + half_unit(r[ours])) / (r[base] - half_unit(r[base]))
+    assert lo * (1 - 2e-3) <= r[ratio] <= hi * (1 + 2e-3), (ratio, r[ratio], r[ours], r[base])
+
+
+def check_guard(r):
+    ratio_of(r, "ratio", "step_ms_cond", "step_ms_no_check")
+    ratio_of(r, "ratio_select", "step_ms_select", "step_ms_no_check")
+    assert r["temp_bytes_cond"] is not None
+    # the same finite steps from the same state, with and without the check: the same parameters
+    assert r["max_param_diff_cond_vs_no_check"] < 1e-5 and r["max_param_diff_select_vs_no_check"] < 1e-5
+
+
+def check_idioms(r):
+    ratio_of(r, "step_ratio", "step_ms_explicit", "step_ms_auto")
+    ratio_of(r, "restore_ratio", "restore_s_ours", "restore_s_orbax")
+    assert r["restored_equal_to_orbax"] is True and r["restore_bytes"] > 0
+
+
+def check_step(result):
+    ratio_of(result, "ratio", "trainer_step_ms", "hand_jit_step_ms")
+    assert result["max_param_diff_vs_hand"] < 1e-5  # the same steps as the hand-written loop
+
+
+def check_restore(result):
+    ours = result["runs"]["nnx_shard"]
+    assert ours["kernel_mesh"] == {"fsdp": 4}
+    assert ours["report"] == "restored step 1, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"
+    # every variant restores the same values (the kernel's checksum), and the ratios are finite
+    assert len({run["checksum"] for run in result["runs"].values()}) == 1, result["runs"]
+    assert 0 < result["time_ratio_vs_orbax"] < float("inf") and 0 < result[
+        "budget_time_ratio_vs_orbax"
+    ] < float("inf")
+
+
+def check_vit(result):
+    assert result["mesh"] == "fsdp=8"
+    speed = {"ours": 1 / result["trainer_images_per_s"], "base": 1 / result["hand_jit_images_per_s"]}
+    ratio_of({**result, **speed}, "ratio_trainer_time_over_hand", "ours", "base")
+    # Not bitwise: adamw turns float noise in the ViT's near-zero gradients into updates of up to the
+    # rate (1e-3) a step, so 8 steps bound the difference by 8e-3 (2.3e-3 measured).
+    assert result["max_param_diff_vs_hand"] < 8e-3
+
+
+def check_load(result):
+    # every byte a shard needs read once, none twice; the figures are finite ratios
+    assert result["stream"]["bytes"] == result["stream"]["bytes_needed"] == result["stream"]["state_bytes"]
+    assert result["stream_bytes_read_over_needed"] == 1.0
+    assert 0 < result["stream_rate_over_read_rate"] < float("inf") and result["stream_within_rss_goal"]
+
+
+def check_tpu(result):
+    (compiled,) = result["compiles"]  # the tiny ViT on v5e:2x4
+    assert compiled["fits"] is True and compiled["devices"] == 8 and compiled["flops"] > 0
+    assert compiled["peak_bytes"] >= compiled["argument_bytes"] >= compiled["state_bytes"] > 0
+    move = result["reshard"]
+    assert move["bytes_moved"] == move["ideal_bytes"] > 0 and move["never_whole"] is True
+
+
+def check_create(result):
+    median = result["median"]
+    assert 0 < median["baseline_eval_shape_s"] < median["baseline_s"] and median["compile_s"] > 0
+    want = round(median["create_sharded_s"] / median["baseline_s"], 3)
+    assert abs(result["ratio_create_sharded_vs_baseline"] - want) <= 2e-3  # its figures, as rounded
+
+
+BENCHMARKS = {
+    "create": check_create,
+    "load": check_load,
+    "tpu": check_tpu,
+    "infer": check_infer,
+    "init": check_init,
+    "reshard": check_reshard,
+    "resize": check_resize,
+    "step": check_step,
+    "guard": check_guard,
+    "idioms": check_idioms,
+    "restore": check_restore,
+    "vit": check_vit,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_benchmark_smoke(name, tmp_path):
+    if name == "tpu":
+        pytest.importorskip("libtpu", reason="libtpu is not installed (pip install 'nnx-shard[tpu]')")
+    if name == "create":
+        pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'nnx-shard[hf]')")
+    out_file = tmp_path / f"{name}.json"
+    run(f"bench_{name}.py", "--smoke", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    BENCHMARKS[name](json.loads(out_file.read_text()))
+
+
+def test_reshard_repeat_reports_medians_of_its_runs(tmp_path):
+    # the measure RESULTS.md records: the median of N alternating runs, for the warm round trips' median and
+    # for the first warm round trip alone, each against the host round trip of the same run.
+    import statistics
+
+    out_file = tmp_path / "repeat.json"
+    run("bench_reshard.py", "--smoke", "--repeat", "2", "--out", str(out_file), cwd=ROOT / "benchmarks")
+    result = json.loads(out_file.read_text())
+    assert len(result["runs"]) == 2
+    for key in ("warm", "first_warm"):
+        ratios = [r[f"{key}_s"] / r[f"host_{key}_s"] for r in result["runs"]]
+        assert result[f"median_{key}_time_vs_host_round_trip"] == pytest.approx(
+            statistics.median(ratios),
+            rel=0.25,  # the times in the JSON are rounded to 1 ms
+        )
+        assert 0 < result[f"median_{key}_share_of_memcpy"] < 1

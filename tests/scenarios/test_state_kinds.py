@@ -1,0 +1,292 @@
+"""Models with RNG streams and running statistics, and checkpoints whose content is verified, as users hit them."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+from tests.apps.trainer_app import (
+    DropoutBN,
+    DropoutTrainer,
+    batch_for,
+    config,
+    digest,
+    run_with_checkpoint_at_6,
+)
+from tests.helpers import no_host_transfers
+from tests.trainer.test_trainer import resume_in_subprocess
+
+
+@pytest.fixture(scope="module")
+def dropout_run(tmp_path_factory):
+    """A dropout + batch-norm model trained on 8 devices: 12 steps, a checkpoint at 6."""
+    workdir = tmp_path_factory.mktemp("dropout")
+    trainer = DropoutTrainer({**config(str(workdir)), "async_checkpoint": False})
+    return run_with_checkpoint_at_6(trainer, str(workdir))
+
+
+def test_the_ema_tracks_parameters_only(dropout_run):
+    states = dropout_run["trainer"].states
+    kinds = {
+        type(v).__name__
+        for v in jax.tree.leaves(states["ema"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+    }
+    assert kinds == {"Param"}
+    model_kinds = {
+        type(v).__name__
+        for v in jax.tree.leaves(states["model"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+    }
+    assert {"RngKey", "RngCount", "BatchStat", "Param"} <= model_kinds
+
+
+def test_dropout_batchnorm_model_resumes_on_4_devices_bitwise(dropout_run):
+    out = resume_in_subprocess(dropout_run["workdir"], 4, model="dropout")
+    assert out["report"] == "restored step 6, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"
+    assert out["digest"] == dropout_run["digest"]  # keys, counts, statistics, optimizer and EMA
+    np.testing.assert_allclose(out["losses"], dropout_run["losses"], rtol=2e-5, atol=1e-6)
+
+
+def test_typed_keys_are_saved_and_restored_as_keys(dropout_run):
+    trainer = DropoutTrainer(config(dropout_run["workdir"]))
+    trainer.restore_and_reshard(6)
+    key = trainer.states["model"]["drop"]["rngs"]["key"].get_value()
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
+    assert trainer.checkpointer.metadata(6)["prng_keys"] == {"model/drop/rngs/key": "threefry2x32"}
+
+
+def test_a_batch_of_typed_keys_reshards_from_8_to_4_devices():
+    keys = jax.random.split(jax.random.key(0), 64)
+    devs = jax.devices()
+    src = jax.device_put(keys, NamedSharding(Mesh(np.array(devs), ("x",)), P("x")))
+    dst = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
+    plan = ns.plan_reshard(src, dst)
+    # Device j needs keys [16j, 16j+16) and holds [8j, 8j+8): 8 + 16 + 16 + 16 keys of 8 bytes lack.
+    assert plan.bytes_moved == plan.ideal_bytes == 56 * 8
+    with no_host_transfers():
+        out = ns.reshard(src, dst)
+    assert out.sharding == dst and out.dtype == keys.dtype
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(out)), np.asarray(jax.random.key_data(keys)))
+
+
+def flip_bytes(path):
+    """Flips 16 bytes in the middle of a file."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("which", ["largest", "each"])
+def test_flipped_bytes_are_found_and_nothing_live_changes(dropout_run, tmp_path, which):
+    state = pathlib.Path(dropout_run["workdir"]) / "checkpoints" / "12" / "state"
+    data = sorted(f.relative_to(state) for f in state.rglob("*") if f.is_file() and f.parent.name == "d")
+    targets = [max(data, key=lambda f: (state / f).stat().st_size)] if which == "largest" else data
+    for i, name in enumerate(targets):
+        workdir = tmp_path / f"copy{i}"
+        shutil.copytree(dropout_run["workdir"], workdir)
+        flip_bytes(workdir / "checkpoints" / "12" / "state" / name)
+        trainer = DropoutTrainer(config(str(workdir)))
+        trainer.init()
+        before = digest(trainer)
+        with pytest.raises(
+            ns.CheckpointCorruptError,
+            match=r"step 12 .* could not be read \(.* differs? from .* Other steps: \[6\]",
+        ) as e:
+            trainer.restore_and_reshard(12)
+        assert str(name) in str(e.value) or "arrays differs" in str(e.value)
+        assert digest(trainer) == before and trainer.step == 0
+        assert "restored step 6" in str(trainer.restore_and_reshard(6))  # the other step still restores
+
+
+def test_content_fingerprints_name_the_arrays_that_differ(tmp_path):
+    mesh = ns.create_mesh((8,), ("fsdp",))
+    strategy = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+    def create():
+        model = nnx.Linear(
+            512, 1024, rngs=nnx.Rngs(0)
+        )  # 2 MiB: its data file is too big for the file manifest
+        return {"model": model, "ema": nnx.EMA(model, decay=0.9, only=nnx.Param)}
+
+    hooks = ns.ShardingHooks(strategy, mesh)
+    hooks.on_init(create)
+    with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
+        hooks.save(ckpt, 1)
+        hooks.save(ckpt, 2)
+    state = tmp_path / "2" / "state"
+    biggest = max((f for f in state.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    assert biggest.stat().st_size > 2**20
+    flip_bytes(biggest)
+    fresh = create()
+    with pytest.raises(
+        ns.CheckpointCorruptError,
+        match=r"the content of 1 arrays differs from what was saved: \['(model/kernel|ema/params/kernel)'\]",
+    ):
+        ns.restore_and_reshard(str(tmp_path), fresh, strategy, mesh, step=2)
+    assert "restored step 1" in str(ns.restore_and_reshard(str(tmp_path), fresh, strategy, mesh, step=1))
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["with-file-manifest", "without"])
+def test_a_deleted_metadata_file_is_corruption_not_a_mismatch(dropout_run, tmp_path, manifest):
+    workdir = tmp_path / "copy"
+    shutil.copytree(dropout_run["workdir"], workdir)
+    step = workdir / "checkpoints" / "12"
+    (step / "state" / "_METADATA").unlink()
+    if not manifest:  # as after a save whose process died before recording its files
+        (step / "nnx_shard_files.json").unlink()
+    trainer = DropoutTrainer(config(str(workdir)))
+    with pytest.raises(ns.CheckpointCorruptError, match=r"step 12 .* could not be read.*_METADATA") as e:
+        trainer.restore_and_reshard(12)
+    assert "Build the model" not in str(e.value)  # not the advice for a mismatch
+    assert "restored step 6" in str(trainer.restore_and_reshard(6))
+
+
+def test_a_model_only_restore_from_a_trainer_checkpoint(dropout_run):
+    mesh = ns.create_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+    strategy = [(".*", "replicate")]
+    saved = dropout_run["trainer"]
+    ckpt = ns.Checkpointer(dropout_run["workdir"] + "/checkpoints")
+    model = DropoutBN(nnx.Rngs(42))
+    report = ns.restore_and_reshard(ckpt, {"model": model}, strategy, mesh, step=12)
+    assert (
+        str(report) == "restored step 12 (model only), saved on 8 devices (fsdp=8), onto 2 devices (fsdp=2)"
+    )
+    np.testing.assert_array_equal(
+        np.asarray(model.l1.kernel.get_value()), np.asarray(saved.states["model"]["l1"]["kernel"].get_value())
+    )
+    ema_model = DropoutBN(nnx.Rngs(43))
+    ns.restore_and_reshard(ckpt, {"model": ema_model}, strategy, mesh, step=12, ema_as_model=True)
+    np.testing.assert_array_equal(
+        np.asarray(ema_model.l1.kernel.get_value()),
+        np.asarray(saved.states["ema"]["params"]["l1"]["kernel"].get_value()),
+    )
+    np.testing.assert_array_equal(  # statistics come from the model
+        np.asarray(ema_model.bn.mean.get_value()), np.asarray(saved.states["model"]["bn"]["mean"].get_value())
+    )
+    wider = DropoutBN(nnx.Rngs(0), width=32)  # within an item the structure must still match exactly
+    with pytest.raises(
+        ns.CheckpointMismatchError, match=r"model/l1/kernel: saved \(8, 64\), expected \(8, 32\)"
+    ):
+        ns.restore_and_reshard(ckpt, {"model": wider}, strategy, mesh, step=12)
+
+
+def test_trainer_restores_named_items_and_keeps_the_others(dropout_run):
+    trainer = DropoutTrainer({**config(dropout_run["workdir"]), "save_at_end": False})
+    trainer.init()
+    optimizer_before = digest_of(trainer.states["optimizer"])
+    report = trainer.restore_and_reshard(12, items=("model", "ema"))
+    assert str(report).startswith("restored step 12 (ema, model only)")
+    assert digest_of(trainer.states["optimizer"]) == optimizer_before  # a new optimizer for fine-tuning
+    np.testing.assert_array_equal(
+        np.asarray(trainer.states["model"]["l1"]["kernel"].get_value()),
+        np.asarray(dropout_run["trainer"].states["model"]["l1"]["kernel"].get_value()),
+    )
+    trainer.train(batch_for, steps=1)  # and it trains on
+
+
+def digest_of(state):
+    return [
+        np.asarray(x).tobytes()
+        for x in jax.tree.leaves(state)
+        if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ]
+
+
+# How fingerprints are computed: by the devices' programs, in NumPy on the host (small arrays), or
+# in place on CPU devices by marginal sums. Every way must give the same fingerprint.
+PATHS = {"programs": (-1, False), "host": (2**20, False), "in place": (-1, True)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
+def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype, monkeypatch):
+    from nnx_shard._checkpoint import _fingerprint
+    from nnx_shard._checkpoint._fingerprint import fingerprints
+
+    devices = np.array(jax.devices())
+    bits = np.random.default_rng(0).integers(0, 256, (64, 24, 8 * np.dtype(dtype).itemsize), dtype=np.uint8)
+    host = bits.view(dtype) if dtype != "bool" else bits % 2 == 1
+    assert host.shape == (64, 24, 8)
+    layouts = [
+        NamedSharding(Mesh(devices, ("f",)), P("f")),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", None, "a")),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P(None, ("a", "b"))),
+        NamedSharding(Mesh(devices[:3], ("r",)), P(None, "r")),
+        NamedSharding(Mesh(devices[:1], ("one",)), P()),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("a")),  # replicated over b: each block once
+    ]
+    prints, changed_prints = set(), set()
+    changed = host.copy()
+    if dtype == "bool":
+        changed[40, 5, 3] = ~changed[40, 5, 3]
+    else:
+        changed[40, 5, 3:4].view(np.uint8)[0] ^= 1  # one bit of one word
+    for host_bytes, in_place in PATHS.values():
+        monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        prints |= {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
+        prints.add(fingerprints([np.asarray(host)])[0])  # host data
+        changed_prints.add(fingerprints([jax.device_put(changed, layouts[1])])[0])
+    assert len(prints) == 1 and len(changed_prints) == 1
+    assert changed_prints.isdisjoint(prints)
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((8192,), P("f")),
+        ((12288,), P()),
+        ((48, 7), P("f")),
+        ((8, 6, 5), P(None, "f")),
+        ((40, 6), P(None, "f")),
+    ],
+    ids=str,
+)
+def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatch):
+    # One long row is summed as rows of up to 4096 words; an odd stride before the last
+    # dimension (the (48, 7) and (8, 6, 5) cases) leaves the array to the devices' programs.
+    from nnx_shard._checkpoint import _fingerprint
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices[: 8 if spec == P("f") else 2], ("f",))
+    host = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    x = jax.device_put(host, NamedSharding(mesh, spec))
+    got = set()
+    for host_bytes, in_place in PATHS.values():
+        monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        got.add(_fingerprint.fingerprints([x])[0])
+    assert len(got) == 1
+    assert _fingerprint._in_place(x) == (shape not in [(48, 7), (8, 6, 5)])
+
+
+def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
+    # A first restore's verification on CPU devices compiles no program: small arrays (biases,
+    # norm scales, counters) are summed on the host, large ones in place where they lie.
+    import jax.numpy as jnp
+
+    from nnx_shard._checkpoint import _fingerprint
+
+    mesh = Mesh(np.array(jax.devices()), ("f",))
+    small = [
+        jax.device_put(jnp.arange(3072.0), NamedSharding(mesh, P())),
+        jax.device_put(jnp.arange(4096, dtype=jnp.int8), NamedSharding(mesh, P("f"))),
+        jnp.int32(7),
+    ]
+    large = jax.device_put(jnp.ones((512, 64)), NamedSharding(mesh, P("f")))
+    ns.clear_caches()
+    with jax.transfer_guard("disallow"):  # reading a CPU buffer in place is no transfer
+        got = _fingerprint.fingerprints([*small, large])
+    assert _fingerprint._program.cache_info().currsize == 0
+    assert _fingerprint._shard_program.cache_info().currsize == 0
+    monkeypatch.setattr(_fingerprint, "HOST_BYTES", -1)
+    monkeypatch.setattr(_fingerprint, "IN_PLACE", False)
+    assert got == _fingerprint.fingerprints([*small, large])  # the same as the devices' programs
+    assert _fingerprint._shard_program.cache_info().currsize == 3  # what these paths spare: 3 compiles
