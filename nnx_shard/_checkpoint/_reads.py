@@ -82,14 +82,14 @@ class CheckpointReader:
         self._budgeted.clear()
 
     def all_steps(self) -> list[int]:
-        """The steps on disk, oldest first (empty when the directory does not exist)."""
+        """See :meth:`nnx_shard.Checkpointer.all_steps`."""
         if not self._exists():
             return []
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
+        """See :meth:`nnx_shard.Checkpointer.metadata`."""
         self._check_step(step)
         with self._storage(step):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -98,7 +98,7 @@ class CheckpointReader:
         return dict(meta)
 
     def items(self, step: int) -> list[str]:
-        """The top-level items of ``step``'s state (``model``, ``optimizer``, ``ema``, ...)."""
+        """See :meth:`nnx_shard.Checkpointer.items`."""
         if step not in self._saved_items:
             self._saved_items[step] = sorted(self._saved_tree(step))
         return self._saved_items[step]
@@ -130,11 +130,7 @@ class CheckpointReader:
         return step
 
     def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
-        """Raises CheckpointMismatchError naming the paths and shapes that differ.
-
-        With ``items`` (a partial restore), only the saved leaves under those
-        top-level keys are compared; within them the structure must match exactly.
-        """
+        """See :meth:`nnx_shard.Checkpointer.check_structure`."""
         with self._storage(step):
             changed = changed_files(self.directory / str(step)) if self.verify else []
         if changed:
@@ -154,11 +150,7 @@ class CheckpointReader:
             )
 
     def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
-        """The step to read (default: the latest), once it exists and matches ``target``'s structure.
-
-        Raises:
-          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
-        """
+        """See :meth:`nnx_shard.Checkpointer.validate`."""
         step = self._check_step(step)
         self.check_structure(step, target, items=items)
         return step
@@ -177,18 +169,7 @@ class CheckpointReader:
     def read(
         self, step: int, target: Any, *, partial: bool = False, max_host_bytes: int | None = None
     ) -> tuple[Any, dict[str, Any]]:
-        """Reads a :meth:`validate`-d step straight into ``target``'s shardings: ``(states, metadata)``.
-
-        With ``partial``, only the leaves in ``target`` are read. Typed PRNG keys
-        come back as keys. When the checkpoint carries fingerprints (and
-        ``verify`` is on), the restored arrays are checked against them.
-        ``max_host_bytes`` bounds the bytes Orbax holds in host memory for
-        reads in flight at once (its restore byte limiter).
-
-        Raises:
-          CheckpointCorruptError: the data cannot be read, or differs from what
-            was saved (the arrays are named); nothing live is touched.
-        """
+        """See :meth:`nnx_shard.Checkpointer.read`."""
         stored, keys = storage_target(target)
         with self._storage(step):
             out = self._reader(max_host_bytes, stored).restore(
@@ -230,19 +211,7 @@ class CheckpointReader:
     def restore(
         self, step: int | None, target: Any, *, items: Sequence[str] | None = None
     ) -> tuple[int, Any, dict[str, Any]]:
-        """Validates and reads ``step`` (default: the latest) straight into ``target``'s shardings.
-
-        Args:
-          step: the step, or None for the latest.
-          target: :func:`abstract_target` output: abstract arrays with shardings.
-          items: restore only these top-level items (``target`` holds just them).
-
-        Returns:
-          ``(step, states, metadata)``; nothing live is touched.
-
-        Raises:
-          NoCheckpointError, CheckpointMismatchError, CheckpointCorruptError.
-        """
+        """See :meth:`nnx_shard.Checkpointer.restore`."""
         step = self.validate(step, target, items=items)
         states, meta = self.read(step, target, partial=items is not None)
         return step, states, meta
