@@ -168,7 +168,7 @@ def _worker(workdir: Path, kill: str, seed: int, timeout: float = 240.0) -> dict
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     try:
         p = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "chaos_app.py"), str(workdir), kill, str(seed)],
+            [sys.executable, str(ROOT / "tests" / "apps" / "chaos_app.py"), str(workdir), kill, str(seed)],
             capture_output=True,
             text=True,
             timeout=timeout,

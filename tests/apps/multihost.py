@@ -48,7 +48,7 @@ def run_processes(
         log = open(tmp / f"log{pid}.txt", "w")
         cmd = [
             sys.executable,
-            str(ROOT / "tests" / "mh_bootstrap.py"),
+            str(ROOT / "tests" / "apps" / "mh_bootstrap.py"),
             target,
             str(port),
             str(n),

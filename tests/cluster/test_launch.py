@@ -15,7 +15,7 @@ from tests.apps.launch_app import recovered_event, run_job
 from tests.apps.trainer_app import RegressionTrainer, batch_for, config
 
 ROOT = Path(__file__).resolve().parents[2]
-APP = str(ROOT / "tests" / "launch_app.py")
+APP = str(ROOT / "tests" / "apps" / "launch_app.py")
 
 
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
