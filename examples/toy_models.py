@@ -34,10 +34,26 @@ class DecoderLayer(nnx.Module):
         self.q, self.k, self.v, self.o = lin(d, d), lin(d, kv), lin(d, kv), lin(d, d)
         self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
         self.gate, self.up, self.down = lin(d, ff), lin(d, ff), lin(ff, d)
+        self.heads = max(1, d // 64)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Causal attention (keys and values repeated over the query heads) and a SwiGLU MLP, pre-norm."""
+        h = self.attn_norm(x)
+        b, t, d = h.shape
+        q = self.q(h).reshape(b, t, self.heads, -1)
+        k, v = self.k(h), self.v(h)
+        repeat = self.heads // (k.shape[-1] // q.shape[-1])
+        k = jnp.repeat(k.reshape(b, t, -1, q.shape[-1]), repeat, axis=2)
+        v = jnp.repeat(v.reshape(b, t, -1, q.shape[-1]), repeat, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+        x = x + self.o(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
 
 
 class Llama(nnx.Module):
-    """Parameter shapes of a Llama decoder (no forward pass: for layout checks)."""
+    """A Llama-shaped decoder: its parameter shapes (layout checks up to 70B) and a plain forward pass."""
 
     def __init__(self, *, rngs: nnx.Rngs, vocab: int, d: int, ff: int, layers: int, kv: int | None = None):
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
@@ -46,6 +62,13 @@ class Llama(nnx.Module):
         self.layers = nnx.List([DecoderLayer(d, ff, nnx.Rngs(i), kv) for i in range(layers)])
         self.norm = nnx.RMSNorm(d, rngs=rngs)
         self.lm_head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits of the next token at each position: ``(batch, length) -> (batch, length, vocab)``."""
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
 
 
 SIZES = {  # vocab, width, MLP, layers, key/value width (8 KV heads of 128 for 70b)

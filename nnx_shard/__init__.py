@@ -71,6 +71,7 @@ from nnx_shard._sharding import (
     stacked,
     unregister_tactic,
 )
+from nnx_shard._suggest import Suggestion, suggest
 from nnx_shard._trainer import Trainer, default_config
 from nnx_shard._version import __version__
 from nnx_shard._weights import LoadReport, load_safetensors, save_peft_adapters, save_safetensors
@@ -97,6 +98,7 @@ __all__ = [
     "ShardingHooks",
     "ShardingPlan",
     "Tactic",
+    "Suggestion",
     "Trainer",
     "__version__",
     "abstract_target",
@@ -135,6 +137,7 @@ __all__ = [
     "save_peft_adapters",
     "save_safetensors",
     "shard_dim",
+    "suggest",
     "sharded_init_fn",
     "spec",
     "stacked",

@@ -1,4 +1,4 @@
-"""The ``nnx-shard`` command line: ``nnx-shard plan`` prints a sharding plan from abstract shapes."""
+"""The ``nnx-shard`` command line: ``plan`` prints a sharding plan from abstract shapes, ``suggest`` writes the rules."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ be checked on a laptop.
 
   nnx-shard plan examples.toy_models:llama --mesh fsdp:8 --devices 8 \\
       --strategy '[[".*embed.*", "replicate"], [".*", "fsdp(axis=\\"fsdp\\")"]]'
-  nnx-shard plan --config plan.toml
+  nnx-shard plan --config plan.toml --png plan.png
+  nnx-shard suggest examples.toy_models:llama --mesh fsdp:8 --devices 8 --budget 4GiB
 
 A config file (.toml or .json) may give model, mesh, strategy, model_kwargs,
 optimizer and ema; flags override it. Config files are data: nothing in them
@@ -39,41 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print the sharding plan of a model + optimizer + EMA")
-    plan.add_argument(
-        "model",
-        nargs="?",
-        help="factory as package.module:function (takes rngs=... if it has that parameter); it may return "
-        "the model, or the whole {'model', 'optimizer', 'ema'} state of your run",
-    )
-    plan.add_argument("--config", help="a .toml or .json file with model, mesh, strategy, ...")
-    plan.add_argument("--mesh", help="mesh as 'fsdp:8' or 'dp:2,tp:4' (names from the string)")
+    _state_arguments(plan)
     plan.add_argument("--strategy", help='JSON list of [regex, tactic] pairs, e.g. \'[[".*", "replicate"]]\'')
-    plan.add_argument("--model-kwargs", default=None, help="JSON object of keyword arguments for the factory")
-    plan.add_argument(
-        "--optimizer",
-        default=None,
-        help="adamw, adam, sgd, none, or package.module:factory returning your optax transform (default adamw)",
-    )
-    plan.add_argument(
-        "--ema", type=float, default=None, help="EMA decay; 0 to leave the EMA out (default 0.999)"
-    )
-    plan.add_argument(
-        "--devices",
-        type=int,
-        default=None,
-        help="simulate this many CPU devices (a laptop check of a pod layout)",
-    )
     plan.add_argument("--rows", type=int, default=40, help="leaf rows to print (0: all)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument(
         "--non-strict", action="store_true", help="replicate leaves no rule matches instead of failing"
     )
-    plan.add_argument(
-        "--topology",
-        default=None,
-        help="plan on a TPU topology such as v5e:16x16 (compile-only devices; needs libtpu: nnx-shard[tpu])",
-    )
-    plan.add_argument("--slices", type=int, default=1, help="slices of --topology over DCN (default 1)")
     plan.add_argument(
         "--trainer",
         default=None,
@@ -85,8 +58,55 @@ def _parser() -> argparse.ArgumentParser:
         help='with --trainer: the global batch as JSON, {"images": [4096, 224, 224, 3]} (float32) or '
         '{"labels": {"shape": [4096], "dtype": "int32"}}',
     )
+    plan.add_argument("--png", default=None, help="also draw the plan into this PNG file (needs matplotlib)")
+    suggest = sub.add_parser(
+        "suggest", help="write the rules for a memory budget: the layout that fits and sends least per step"
+    )
+    _state_arguments(suggest)
+    suggest.add_argument(
+        "--budget", default=None, help="bytes per device, e.g. 16GiB (default: the chip's memory)"
+    )
+    suggest.add_argument(
+        "--tokens-per-step", type=int, default=None, help="tokens per step: consider tensor axes"
+    )
+    suggest.add_argument("--png", default=None, help="also draw the suggested plan into this PNG file")
     _launch_parser(sub)
     return p
+
+
+def _state_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that build the state and the mesh, the same for ``plan`` and ``suggest``."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="factory as package.module:function (takes rngs=... if it has that parameter); it may return "
+        "the model, or the whole {'model', 'optimizer', 'ema'} state of your run",
+    )
+    parser.add_argument("--config", help="a .toml or .json file with model, mesh, strategy, ...")
+    parser.add_argument("--mesh", help="mesh as 'fsdp:8' or 'dp:2,tp:4' (names from the string)")
+    parser.add_argument(
+        "--model-kwargs", default=None, help="JSON object of keyword arguments for the factory"
+    )
+    parser.add_argument(
+        "--optimizer",
+        default=None,
+        help="adamw, adam, sgd, none, or package.module:factory returning your optax transform (default adamw)",
+    )
+    parser.add_argument(
+        "--ema", type=float, default=None, help="EMA decay; 0 to leave the EMA out (default 0.999)"
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="simulate this many CPU devices (a laptop check of a pod layout)",
+    )
+    parser.add_argument(
+        "--topology",
+        default=None,
+        help="a TPU topology such as v5e:16x16 (compile-only devices; needs libtpu: nnx-shard[tpu])",
+    )
+    parser.add_argument("--slices", type=int, default=1, help="slices of --topology over DCN (default 1)")
 
 
 def _launch_parser(sub: Any) -> None:
@@ -250,10 +270,22 @@ def run_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:
+def _print_suggestion(args: argparse.Namespace, objects: Any, mesh: Any) -> int:
+    """``nnx-shard suggest``: the rules ready to paste, then the plan's summary (and its picture with --png)."""
+    from nnx_shard._suggest import suggest
+
+    budget = args.budget if args.budget is not None else None
+    suggestion = suggest(objects, mesh, budget, tokens_per_step=args.tokens_per_step)
+    print(f"{suggestion}\n\n{suggestion.plan.summary()}")
+    if args.png:
+        print(f"plan drawn in {suggestion.plot(args.png)}")
+    return 0
+
+
+def _plan_inputs(args: argparse.Namespace, *, strategy_needed: bool = True) -> dict[str, Any]:
     """The plan's inputs: the flags, falling back to ``--config``; CLIError for what is missing or malformed."""
     cfg = _load_config(args.config)
-    strategy = _json_arg(args.strategy, "strategy")
+    strategy = _json_arg(getattr(args, "strategy", None), "strategy")
     kwargs = _json_arg(args.model_kwargs, "model-kwargs") or cfg.get("model_kwargs", {})
     if not isinstance(kwargs, dict):
         raise CLIError(
@@ -271,7 +303,7 @@ def _plan_inputs(args: argparse.Namespace) -> dict[str, Any]:
     missing = [
         n
         for n, k in (("model", "model"), ("--mesh", "mesh"), ("--strategy", "strategy"))
-        if inputs[k] is None
+        if inputs[k] is None and (k != "strategy" or strategy_needed)
     ]
     if missing:
         raise CLIError(f"missing {', '.join(missing)}: give them as arguments or in --config.")
@@ -308,9 +340,9 @@ def _builder(spec: str, kwargs: dict[str, Any], optimizer: str, ema: float) -> A
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    if args.trainer:
+    if getattr(args, "trainer", None):
         return run_compile(args)
-    inputs = _plan_inputs(args)
+    inputs = _plan_inputs(args, strategy_needed=args.command == "plan")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     import jax
@@ -337,6 +369,8 @@ def run_plan(args: argparse.Namespace) -> int:
             f"building {inputs['model']} with --model-kwargs {inputs['kwargs']} failed: {type(e).__name__}: {e}"
         ) from None
     timings["abstract state (nnx.eval_shape)"] = time.perf_counter() - t
+    if args.command == "suggest":
+        return _print_suggestion(args, objects, mesh)
     t = time.perf_counter()
     plan = plan_sharding(objects, inputs["strategy"], mesh, strict=not args.non_strict)
     timings["infer_sharding"] = time.perf_counter() - t
@@ -344,6 +378,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**plan.to_dict(), "timings_s": timings}, indent=1))
         return 0
     print(f"{plan.summary()}\n\n{plan.table(max_rows=args.rows or None)}\n")
+    if args.png:
+        print(f"plan drawn in {plan.plot(args.png)}")
     if args.topology:
         print(_chip_line(plan, mesh))
     total = sum(timings.values())

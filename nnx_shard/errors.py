@@ -149,6 +149,10 @@ class CheckpointSaveError(CheckpointError):
     """A save that could not be written (full disk, unwritable directory); earlier steps are intact."""
 
 
+class NoLayoutFitsError(ShardingError):
+    """No candidate layout fits the memory budget (``ns.suggest``): the smallest bytes reached are named."""
+
+
 class ConflictingArgumentsError(NnxShardError, TypeError):
     """Two ways of saying the same thing given at once (``options=`` and the keywords it holds)."""
 
@@ -203,6 +207,10 @@ class EmptyStateError(ShardingError):
     def __init__(self, kind: EmptyStateKind, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class MissingExtraError(NnxShardError, ImportError):
+    """An optional dependency a feature needs is not installed; the message names the extra to install."""
 
 
 class IncompatibleVersionsError(NnxShardError, ImportError):
@@ -260,11 +268,13 @@ __all__ = [
     "LocalSliceError",
     "MeshAxisError",
     "MeshError",
+    "MissingExtraError",
     "NnxShardError",
     "NnxShardWarning",
     "NoCheckpointError",
     "NoIntermediateShardingError",
     "NoIntermediateShardingNeededError",
+    "NoLayoutFitsError",
     "PlacementError",
     "ReshardError",
     "ShardingConflictError",

@@ -3,7 +3,7 @@
 # _versions first: a jax/flax pair that cannot import is named before anything imports flax
 from nnx_shard._base import _versions  # noqa: F401
 from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, cached, clear_caches
-from nnx_shard._base._format import format_bytes, format_table
+from nnx_shard._base._format import format_bytes, format_table, parse_bytes
 from nnx_shard._base._jax_private import abstract_construction, distributed_client
 from nnx_shard._base._mesh import (
     DEFAULT_AXIS_DIMS,
@@ -79,6 +79,7 @@ __all__ = [
     "itemsize",
     "mesh_from_string",
     "normalize_spec",
+    "parse_bytes",
     "parse_mesh_dims",
     "path_str",
     "resolve_mesh",

@@ -9,10 +9,11 @@ from nnx_shard._cluster._distributed import (
     launch_info,
 )
 from nnx_shard._cluster._launch import launch
-from nnx_shard._cluster._multihost import barrier_sync, data_sharding, host_local_to_global
+from nnx_shard._cluster._multihost import DATA_AXES, barrier_sync, data_sharding, host_local_to_global
 from nnx_shard._cluster._tpu import CompileReport, compile_program, hbm_bytes, tpu_devices
 
 __all__ = [
+    "DATA_AXES",
     "FAILED_AT",
     "PREVIOUS_PROCESSES",
     "STOPPED_AT",

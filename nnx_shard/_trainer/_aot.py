@@ -12,11 +12,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base import abstract_construction, mesh_from_string
+from nnx_shard._base import abstract_construction, format_bytes, mesh_from_string
 from nnx_shard._checkpoint import abstract_target
-from nnx_shard._cluster import CompileReport, compile_program, data_sharding
+from nnx_shard._cluster import CompileReport, compile_program, data_sharding, hbm_bytes
 from nnx_shard._sharding import on_mesh, plan_sharding
+from nnx_shard._suggest import Suggestion, choose, default_budget, layouts, parse_bytes
 from nnx_shard._trainer._step import CompiledSteps, TrainStep
+from nnx_shard.errors import NoLayoutFitsError
 
 
 def mesh_over(mesh: Any, devices: Sequence[Any]) -> Mesh:
@@ -70,3 +72,55 @@ def compile_step(
         int(np.prod(rows.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)
     )
     return report
+
+
+def suggest_layout(
+    config: ml_collections.ConfigDict,
+    create: Callable[[], dict[str, Any]],
+    train_step: TrainStep,
+    batch: Any,
+    *,
+    budget: int | str | None,
+    devices: Sequence[Any],
+    tokens_per_step: int | None,
+) -> Suggestion:
+    """:meth:`nnx_shard.Trainer.suggest`: the candidates that fit, compiled; the one that sends least kept.
+
+    A compiled peak over the chip's memory tightens the budget by the excess and
+    tries again (at most 4 rounds); each compile is reported in ``attempts``.
+    """
+    mesh = mesh_over(config.mesh, devices)
+    with abstract_construction():
+        objects = nnx.eval_shape(create)
+    states = {k: nnx.state(v) for k, v in objects.items()}
+    limit = parse_bytes(budget) if budget is not None else default_budget(mesh)
+    candidates = layouts(states, mesh, tokens_per_step=tokens_per_step)
+    if batch is None:
+        return Suggestion.of(
+            choose(candidates, limit), limit, candidates, attempts=["not compiled: no batch given"]
+        )
+    hbm, attempts = hbm_bytes(mesh.devices.flat[0]), []
+    for _ in range(4):
+        choose(candidates, limit)  # raises NoLayoutFitsError when nothing fits the budget
+        compiled = []
+        for layout in (c for c in candidates if limit is None or c.state_bytes <= limit):
+            cfg = config.copy_and_resolve_references()
+            cfg.sharding_strategy = list(layout.rules)
+            report = compile_step(cfg, create, train_step, devices, batch)
+            sent = {k: v["bytes"] for k, v in report.collectives.items()}
+            over = hbm is not None and (report.fits is False or (report.peak_bytes or 0) > hbm)
+            attempts.append(
+                f"{layout.name}: sends {format_bytes(sum(sent.values()))} per step, peak "
+                f"{format_bytes(report.peak_bytes or 0)}{' (over the chip memory)' if over else ''}"
+            )
+            compiled.append((layout, report, sent, over))
+        fitting = [(layout, sent) for layout, _, sent, over in compiled if not over]
+        if fitting:
+            best, sent = min(fitting, key=lambda f: sum(f[1].values()))
+            return Suggestion.of(best, limit, candidates, attempts=attempts, compiled=True, traffic=sent)
+        excess = min((r.peak_bytes or 0) - hbm for _, r, _, _ in compiled)
+        limit = max(c.state_bytes for c, *_ in compiled) - excess
+        attempts.append(
+            f"every compiled peak is over the chip memory: budget tightened to {format_bytes(limit)}"
+        )
+    raise NoLayoutFitsError("no layout's compiled step fits the chip's memory:\n" + "\n".join(attempts))

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax
 import ml_collections
 import optax
 from flax import nnx
@@ -17,8 +18,9 @@ from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
 from nnx_shard._checkpoint import Checkpointer, RestoreReport
 from nnx_shard._cluster import CompileReport, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
+from nnx_shard._suggest import Suggestion
 from nnx_shard._trainer import _data, _guard
-from nnx_shard._trainer._aot import compile_step
+from nnx_shard._trainer._aot import compile_step, suggest_layout
 from nnx_shard._trainer._checkpoints import restore_options, save_step
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
 from nnx_shard._trainer._finetune import labels, refresh_ema, resolve_wrt
@@ -37,23 +39,18 @@ logger = logging.getLogger("nnx_shard")
 class Trainer:
     """Subclass and give the model, the optax transform and the loss; the rest happens by itself.
 
-    A subclass implements ``create_model(rngs)``, ``create_optimizer()`` and
-    ``loss_fn(model, batch)`` (a scalar loss, or ``(loss, metrics)``), and may
-    override ``train_step``, ``eval_metrics``, ``on_log`` and
-    ``learning_rate_schedule``, declare its own settings in
-    ``default_config()``, and register callbacks with :meth:`add_callback`. The
-    Trainer builds the mesh from ``config.mesh``, creates the model,
-    ``nnx.Optimizer`` and ``nnx.EMA`` (of the parameters in :attr:`wrt`;
-    ``ema_decay=None`` for none) already sharded by ``config.sharding_strategy``,
-    calls :meth:`load_pretrained`, compiles one
-    step per batch signature with the state donated, turns host-local
-    batches into global ones, saves every ``config.save_every`` steps, at the
-    end and on preemption, resumes with :meth:`restore_and_reshard` onto
-    whatever devices it has, and reports: a progress bar on a terminal, plain
-    lines on stdout otherwise, ``workdir/metrics.jsonl`` and TensorBoard, with
-    compile, save, restore and eval times as events. Accumulate gradients
-    with ``optax.MultiSteps`` in ``create_optimizer`` (its accumulators are
-    sharded like their parameters).
+    A subclass implements ``create_model(rngs)``, ``create_optimizer()`` and ``loss_fn(model, batch)`` (a
+    scalar loss, or ``(loss, metrics)``), and may override ``train_step``, ``eval_metrics``, ``on_log`` and
+    ``learning_rate_schedule``, declare its own settings in ``default_config()``, and register callbacks with
+    :meth:`add_callback`. The Trainer builds the mesh from ``config.mesh``, creates the model,
+    ``nnx.Optimizer`` and ``nnx.EMA`` (of the parameters in :attr:`wrt`; ``ema_decay=None`` for none) already
+    sharded by ``config.sharding_strategy``, calls :meth:`load_pretrained`, compiles one step per batch
+    signature with the state donated, turns host-local batches into global ones, saves every
+    ``config.save_every`` steps, at the end and on preemption, resumes with :meth:`restore_and_reshard` onto
+    whatever devices it has, and reports: a progress bar on a terminal, plain lines on stdout otherwise,
+    ``workdir/metrics.jsonl`` and TensorBoard, with compile, save, restore and eval times as events.
+    Accumulate gradients with ``optax.MultiSteps`` in ``create_optimizer`` (its accumulators are sharded like
+    their parameters).
 
     >>> import jax.numpy as jnp, numpy as np
     >>> class Regression(Trainer):
@@ -182,11 +179,8 @@ class Trainer:
         return {"loss": value, **aux}
 
     def learning_rate_schedule(self) -> Callable[[int], Any] | None:
-        """A schedule ``count -> lr`` to report when the transform does not expose the rate.
-
-        Default: ``config.learning_rate`` when it is callable. (A transform built
-        with ``optax.inject_hyperparams`` reports its own rate.)
-        """
+        """A schedule ``count -> lr`` to report when the transform does not expose the rate: by default
+        ``config.learning_rate`` when it is callable (``optax.inject_hyperparams`` reports its own rate)."""
         lr = self.config.get("learning_rate")
         return lr if callable(lr) else None
 
@@ -261,11 +255,8 @@ class Trainer:
         return self.hooks.objects
 
     def compiled_step(self, batch: Any) -> Any:
-        """The jitted step for this batch's signature: ``(states, counters, batch) -> (states, counters, metrics)``.
-
-        The state is donated; ``counters`` are the non-finite step counters
-        (see ``config.on_nonfinite`` and :attr:`guard`).
-        """
+        """The jitted step for this batch's signature: ``(states, counters, batch) -> (states, counters, metrics)``;
+        the state is donated, ``counters`` are the non-finite step counters (``config.on_nonfinite``, :attr:`guard`)."""
         self.init()
         return self._steps.get(batch)
 
@@ -276,11 +267,8 @@ class Trainer:
         return self._steps.counters
 
     def run_step(self, batch: Any) -> Any:
-        """Runs one step on a global batch, updating the state the hooks own; returns the metrics.
-
-        The first step of a batch signature compiles; JAX's own compile-time
-        events say how long, and that goes out as a ``compile`` event.
-        """
+        """Runs one step on a global batch, updating the state the hooks own; returns the metrics. The first
+        step of a batch signature compiles; JAX's compile-time events say how long (a ``compile`` event)."""
         self.init()
         fresh = not self._steps.is_compiled(batch)
         before = COMPILE_CLOCK.seconds
@@ -348,10 +336,8 @@ class Trainer:
             return self.loop.run(self, batches, eval_data, end)
 
     def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
-        """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default.
-
-        Compiled once per batch signature, like the train step.
-        """
+        """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default
+        (compiled once per batch signature, like the train step)."""
         self.init()
         return self._eval.run(self.hooks.states(), batches, use_ema=use_ema, to_global=self.global_batch)
 
@@ -360,11 +346,10 @@ class Trainer:
     def save(self, *, metrics: dict[str, float] | None = None, force: bool = False) -> bool:
         """Saves model, optimizer, EMA, step and the data iterator's position (async unless configured).
 
-        Returns False, with a :class:`nnx_shard.CheckpointWarning` and a
-        ``save_skipped`` event saying why, when the step was not written (it
-        is already saved). The first save after restoring an older step than
-        the newest sets the newer steps aside (moved, not deleted): they
-        belong to the run this one branched from.
+        Returns False, with a :class:`nnx_shard.CheckpointWarning` and a ``save_skipped`` event saying why,
+        when the step was not written (it is already saved). The first save after restoring an older step than
+        the newest sets the newer steps aside (moved, not deleted): they belong to the run this one branched
+        from.
 
         Raises:
           CheckpointSaveError: this save, or an earlier async one, could not be written.
@@ -404,6 +389,20 @@ class Trainer:
         """
         return compile_step(self.config, self._create, self.train_step, devices, batch)
 
+    def suggest(
+        self, batch: Any = None, *, budget: int | str | None = None, devices: Sequence[Any] | None = None,
+        tokens_per_step: int | None = None,
+    ) -> Suggestion:  # fmt: skip
+        """:func:`nnx_shard.suggest` for this Trainer's state, each fitting layout's step compiled (given a global
+        ``batch`` of ``jax.ShapeDtypeStruct``) with :meth:`compile_report` on ``devices`` (default: this
+        machine's): the one whose compiled step sends least is kept. See :func:`nnx_shard._trainer._aot.suggest_layout`.
+        """
+        devices = list(devices) if devices is not None else jax.devices()
+        create, step = self._create, self.train_step
+        return suggest_layout(
+            self.config, create, step, batch, budget=budget, devices=devices, tokens_per_step=tokens_per_step
+        )
+
     def best_step(self) -> int | None:
         """The kept step with the best ``config.best_metric`` (None without one)."""
         return self.checkpointer.best_step() if self.checkpointer is not None else None
@@ -418,13 +417,11 @@ class Trainer:
     ) -> RestoreReport:
         """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time.
 
-        ``items`` restores only those objects and keeps the others as they are:
-        ``items=("model", "ema")`` to fine-tune from a checkpoint with a new
-        optimizer. A checkpoint saved without the frozen base (``save_frozen=False``)
-        goes on top of the live base, which must be the same weights. The data
-        iterator's saved position is set on the next ``train(iterable)``.
-        ``free_live`` and ``max_host_bytes`` default to
-        ``config.free_live_on_restore`` and ``config.max_host_bytes``.
+        ``items`` restores only those objects and keeps the others as they are: ``items=("model", "ema")`` to
+        fine-tune from a checkpoint with a new optimizer. A checkpoint saved without the frozen base
+        (``save_frozen=False``) goes on top of the live base, which must be the same weights. The data
+        iterator's saved position is set on the next ``train(iterable)``. ``free_live`` and ``max_host_bytes``
+        default to ``config.free_live_on_restore`` and ``config.max_host_bytes``.
         """
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")

@@ -26,7 +26,8 @@ LAYERS = {
     "_weights": 2,  # safetensors in and out, key-map transforms, LoRA, PEFT
     "_cluster": 3,  # the distributed runtime, launcher, barriers, TPU topologies
     "_reshard": 3,  # plan_reshard / reshard on plain JAX, with the host route
-    "_checkpoint": 4,  # the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, restores
+    "_checkpoint": 4,
+    "_suggest": 4,  # ns.suggest: candidate layouts for a memory budget, planned and costed  # the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, restores
     "_live": 5,  # placement, the owner, restore_and_reshard, resize
     "_trainer": 6,
     "cli": 7,

@@ -152,8 +152,19 @@ def check_create(result):
     assert abs(result["ratio_create_sharded_vs_baseline"] - want) <= 2e-3  # its figures, as rounded
 
 
+def check_suggest(result):
+    (vit,) = result["compiled"]  # the tiny ViT on 8 CPU devices, at half the replicated state's bytes
+    hand, budget = vit["hand_layouts"], vit["budget_bytes"]
+    best = min(h["sent_bytes"] for h in hand.values() if h["state_bytes"] <= budget)
+    assert vit["sent_ratio_to_best_hand"] == round(vit["suggestion"]["sent_bytes"] / best, 3) <= 1.05
+    assert vit["suggestion"]["state_bytes"] <= budget < hand["everything replicated"]["state_bytes"]
+    if "speed" in result:  # with libtpu: suggested on v5e:2x4, no compile
+        assert all(v["suggest_seconds"] > 0 for k, v in result["speed"].items() if k.endswith("layers"))
+
+
 BENCHMARKS = {
     "create": check_create,
+    "suggest": check_suggest,
     "load": check_load,
     "tpu": check_tpu,
     "infer": check_infer,
