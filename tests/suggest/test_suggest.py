@@ -194,3 +194,32 @@ def test_nnx_shard_suggest_and_plan_png_from_the_command_line(tmp_path):
     assert out.returncode == 0 and (tmp_path / "p.png").stat().st_size > 10_000, out.stderr[-2000:]
     out = run("suggest", *common, "--budget", "1KiB")
     assert out.returncode == 2 and "NoLayoutFitsError: no layout fits 1.0 KiB per device" in out.stderr
+
+
+@pytest.mark.parametrize("which", ["vit", "llama-70b-shapes", "tunix-llama3", "tunix-qwen3"])
+def test_the_bundled_models_get_a_few_readable_rules(which):
+    """ViT, the Llama-shaped toy (70B's shapes), google-tunix's Llama 3 and Qwen 3: at most 12 rules, each a
+    path pattern a person would write (no list of layer numbers)."""
+    from examples.toy_models import llama
+
+    data = ROOT / "tests" / "data" / "hf"
+    if which == "vit":
+        from examples.vit.config import get_config
+        from examples.vit.trainer import ViTTrainer
+
+        cfg = get_config("tiny")
+        cfg.progress = "off"
+        create = ViTTrainer(cfg)._create
+    elif which == "llama-70b-shapes":
+        create = lambda: {"model": llama(rngs=nnx.Rngs(0), size="70b", layers=2)}
+    else:
+        pytest.importorskip("tunix", reason="google-tunix is not installed (pip install 'nnx-shard[hf]')")
+        cls, config = ns.key_maps.tunix_model(data / ("llama" if which == "tunix-llama3" else "qwen3"))
+        create = lambda: {"model": cls(config, rngs=nnx.Rngs(0))}
+    state = nnx.eval_shape(create)
+    mesh = mesh8()
+    replicated = ns.plan_sharding(state, [(".*", "replicate")], mesh).bytes_per_device
+    s = ns.suggest(state, mesh, budget=replicated // 2)
+    assert s.state_bytes <= replicated // 2 and 1 <= len(s.rules) <= 12
+    assert all(not any(ch.isdigit() for ch in pattern) for pattern, _ in s.rules), s.rules
+    assert ns.plan_sharding(state, s.rules, mesh).bytes_per_device == s.state_bytes
