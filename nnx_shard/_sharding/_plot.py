@@ -72,7 +72,9 @@ def plot_plan(plan: Any, path: str, *, budget: int | None = None, top: int = 6) 
     bars.set_xlabel("MiB on the fullest device")
     bars.set_title(f"{format_bytes(plan.bytes_per_device)} per device of {format_bytes(plan.total_bytes)}")
     bars.legend(loc="upper left", fontsize=8)
-    shown = [p for p in plan.leaves if p.shape and p.path.startswith("model/")] or [p for p in plan.leaves if p.shape]
+    shown = [p for p in plan.leaves if p.shape and p.path.startswith("model/")] or [
+        p for p in plan.leaves if p.shape
+    ]
     largest = sorted(shown, key=lambda p: -p.total_bytes)[:top]  # the model's: its state is laid out alike
     for k, leaf in enumerate(largest):
         ax = fig.add_subplot(grid[k % 2, 1 + k // 2])

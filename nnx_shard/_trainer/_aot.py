@@ -100,8 +100,8 @@ def suggest_layout(
             choose(candidates, limit), limit, candidates, attempts=["not compiled: no batch given"]
         )
     hbm, attempts = hbm_bytes(mesh.devices.flat[0]), []
+    choose(candidates, limit)  # NoLayoutFitsError when nothing fits the budget given
     for _ in range(4):
-        choose(candidates, limit)  # raises NoLayoutFitsError when nothing fits the budget
         compiled = []
         for layout in (c for c in candidates if limit is None or c.state_bytes <= limit):
             cfg = config.copy_and_resolve_references()
@@ -121,6 +121,11 @@ def suggest_layout(
         excess = min((r.peak_bytes or 0) - hbm for _, r, _, _ in compiled)
         limit = max(c.state_bytes for c, *_ in compiled) - excess
         attempts.append(
-            f"every compiled peak is over the chip memory: budget tightened to {format_bytes(limit)}"
+            f"every compiled peak is over the chip memory: budget tightened to {format_bytes(max(limit, 0))}"
         )
-    raise NoLayoutFitsError("no layout's compiled step fits the chip's memory:\n" + "\n".join(attempts))
+        if not any(c.state_bytes <= limit for c in candidates):
+            break
+    raise NoLayoutFitsError(
+        f"no layout's compiled step fits the chip's memory ({format_bytes(hbm)}); the compiles:\n"
+        + "\n".join(attempts)
+    )

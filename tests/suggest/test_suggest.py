@@ -223,3 +223,22 @@ def test_the_bundled_models_get_a_few_readable_rules(which):
     assert s.state_bytes <= replicated // 2 and 1 <= len(s.rules) <= 12
     assert all(not any(ch.isdigit() for ch in pattern) for pattern, _ in s.rules), s.rules
     assert ns.plan_sharding(state, s.rules, mesh).bytes_per_device == s.state_bytes
+
+
+def test_a_compiled_peak_over_the_chip_tightens_the_budget_and_each_attempt_is_reported(monkeypatch):
+    """A chip of 16 MiB (as XLA would report it): layouts whose compiled peak is over it are dropped; below
+    every peak, the budget is tightened by the excess until no layout is left, and the error lists them all."""
+    from nnx_shard._trainer import _aot
+
+    trainer = FourLayerTrainer({"mesh": "fsdp:-1", "progress": "off", "ema_decay": 0.99})
+    batch = {k: jax.ShapeDtypeStruct((64, 512), np.float32) for k in ("x", "y")}
+    monkeypatch.setattr(_aot, "hbm_bytes", lambda device: 16 * MIB)
+    monkeypatch.setattr(_aot, "default_budget", lambda mesh: 64 * MIB)
+    s = trainer.suggest(batch)
+    over = [a for a in s.attempts if "(over the chip memory)" in a]
+    assert {a.split(":")[0] for a in over} >= {"everything replicated", "EMA sharded"}
+    assert s.layout in ("full fsdp", "fsdp above 0.5 MiB") and s.compiled
+    monkeypatch.setattr(_aot, "hbm_bytes", lambda device: MIB)  # below every compiled peak
+    with pytest.raises(ns.NoLayoutFitsError, match="budget tightened to") as caught:
+        trainer.suggest(batch)
+    assert "everything replicated: sends 4.0 MiB" in str(caught.value)
