@@ -8,7 +8,7 @@ LATEST_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]* 2>/
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-fast slow-list test-latest test-interop interop-install lint install bench chaos clean
+.PHONY: demo test test-fast slow-list test-latest test-interop interop-install docs lint install bench chaos clean
 
 # The oldest supported jax, flax, optax and orbax-checkpoint, pinned (constraints/oldest.txt).
 OLDEST := constraints/oldest.txt
@@ -69,6 +69,22 @@ interop-install: $(INTEROP_STAMP)
 test-interop: $(INTEROP_STAMP)
 	@$(INTEROP)/bin/python -c "$(STACK); import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | sed 's|^|make test-interop: |'
 	JAX_PLATFORMS=cpu $(INTEROP)/bin/python -m pytest -q -p no:cacheprovider tests/interop
+
+# The documentation site: Sphinx, sphinx_book_theme, MyST, autodoc/autosummary/napoleon, intersphinx, a copy
+# button; built with warnings as errors, then every page's examples run (sphinx's doctest builder).
+DOCS := .venv-docs
+DOCS_STAMP := $(DOCS)/.installed
+
+$(DOCS_STAMP): pyproject.toml $(OLDEST)
+	test -x $(DOCS)/bin/python || $(PYTHON) -m venv $(DOCS)
+	$(DOCS)/bin/python -m pip install -q --upgrade pip
+	$(DOCS)/bin/python -m pip install -q -c $(OLDEST) -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	cd docs && JAX_PLATFORMS=cpu ../$(DOCS)/bin/sphinx-build -W --keep-going -q -b html . _build/html
+	cd docs && JAX_PLATFORMS=cpu ../$(DOCS)/bin/sphinx-build -W --keep-going -q -b doctest . _build/doctest
+	@echo "the site: docs/_build/html/index.html"
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py

@@ -1,4 +1,4 @@
-"""The README's quickstart runs as written (with a small MyModel standing in for yours)."""
+"""The README's quickstart and the site's pages run as written (with a small MyModel standing in for yours)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import re
 from pathlib import Path
 
 import jax
+import pytest
 from flax import nnx
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
 
 
 class MyModel(nnx.Module):
@@ -18,13 +20,18 @@ class MyModel(nnx.Module):
         self.head = nnx.Linear(64, 16, rngs=rngs)
 
 
-def section(title: str) -> list[str]:
-    text = README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+def section(title: str, text: str = README) -> list[str]:
+    text = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-def test_quickstart_runs_as_written():
-    blocks = section("Quickstart")
+def page(name: str) -> str:
+    return (ROOT / "docs" / name).read_text()
+
+
+@pytest.mark.parametrize("where", ["README.md", "getting_started.md"])
+def test_quickstart_runs_as_written(where):
+    blocks = section("Quickstart", README if where == "README.md" else page(where))
     assert len(blocks) == 3
     namespace = {"MyModel": MyModel}
     for block in blocks:
@@ -39,7 +46,7 @@ def test_quickstart_runs_as_written():
 
 
 def test_newest_idioms_section_runs_as_written(capsys):
-    blocks = section("The newest JAX and Flax idioms")
+    blocks = section("The newest JAX and Flax idioms", page("placement.md"))
     assert len(blocks) == 5
     namespace: dict = {}
     for block in blocks:
@@ -53,3 +60,42 @@ def test_newest_idioms_section_runs_as_written(capsys):
     assert model.layers[0].kernel.get_value().sharding.spec == p(None, "fsdp")
     assert namespace["state"]["layers"][0]["kernel"].get_value().sharding.spec == p(None, "fsdp")
     assert float(namespace["loss"]) > 0
+
+
+def test_the_readme_fits_on_two_screens_and_every_link_of_it_and_the_site_resolves():
+    assert len(README.splitlines()) <= 160
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for path in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+    linked = set(re.findall(r"\(docs/(\w+)\.md\)", README))
+    guides = {p.stem for p in (ROOT / "docs").glob("*.md")} - {"index"}
+    assert guides <= linked, sorted(guides - linked)  # the README leads to every guide
+
+
+def test_every_public_name_and_error_gets_a_page_of_the_site(tmp_path, monkeypatch):
+    """The site's generator, run here: an API entry per public name and a page per error class."""
+    import sys
+
+    import nnx_shard as ns
+
+    monkeypatch.syspath_prepend(str(ROOT / "docs" / "_ext"))
+    sys.modules.pop("nnx_shard_docs", None)
+    import nnx_shard_docs
+
+    monkeypatch.setattr(nnx_shard_docs, "GENERATED", tmp_path)
+    nnx_shard_docs.error_pages()
+    nnx_shard_docs.api_page()
+    api = (tmp_path / "api.md").read_text()
+    public = [
+        n for n in ns.__all__ if n not in ns.errors.__all__ and n not in ("compat", "errors", "key_maps")
+    ]
+    assert [n for n in public if n != "__version__" and f"   {n}\n" not in api] == []
+    assert sorted(p.stem for p in (tmp_path / "errors").glob("*.md")) == sorted(ns.errors.__all__)
+    assert (
+        "`trainer`" not in nnx_shard_docs.config_table()
+        and "| `save_every` | `0` |" in nnx_shard_docs.config_table()
+    )
