@@ -78,7 +78,7 @@ DOCS_STAMP := $(DOCS)/.installed
 $(DOCS_STAMP): pyproject.toml $(OLDEST)
 	test -x $(DOCS)/bin/python || $(PYTHON) -m venv $(DOCS)
 	$(DOCS)/bin/python -m pip install -q --upgrade pip
-	$(DOCS)/bin/python -m pip install -q -c $(OLDEST) -e ".[docs]"
+	$(DOCS)/bin/python -m pip install -q -c $(OLDEST) -e ".[docs,tpu]"
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)

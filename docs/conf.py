@@ -59,6 +59,7 @@ intersphinx_mapping = {
 }
 intersphinx_timeout = 3
 
+doctest_default_flags = __import__("doctest").ELLIPSIS | __import__("doctest").NORMALIZE_WHITESPACE
 doctest_global_setup = """
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
