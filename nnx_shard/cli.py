@@ -274,8 +274,7 @@ def _print_suggestion(args: argparse.Namespace, objects: Any, mesh: Any) -> int:
     """``nnx-shard suggest``: the rules ready to paste, then the plan's summary (and its picture with --png)."""
     from nnx_shard._suggest import suggest
 
-    budget = args.budget if args.budget is not None else None
-    suggestion = suggest(objects, mesh, budget, tokens_per_step=args.tokens_per_step)
+    suggestion = suggest(objects, mesh, args.budget, tokens_per_step=args.tokens_per_step)
     print(f"{suggestion}\n\n{suggestion.plan.summary()}")
     if args.png:
         print(f"plan drawn in {suggestion.plot(args.png)}")

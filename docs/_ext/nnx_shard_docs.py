@@ -84,11 +84,15 @@ def config_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def public_names() -> list[str]:
+    """The names of ``nnx_shard`` with an API page: all but the errors (their own pages) and the modules."""
+    skip = {*ns.errors.__all__, "compat", "errors", "key_maps", "__version__"}
+    return [n for n in ns.__all__ if n not in skip]
+
+
 def api_page() -> None:
     """The API page: every public name of ``nnx_shard``, an autosummary entry each."""
-    names = [n for n in ns.__all__ if not n.startswith("_") and n not in ns.errors.__all__]
-    names = [n for n in names if n not in ("compat", "errors", "key_maps", "__version__")]
-    body = "\n".join(f"   {n}" for n in sorted(names, key=str.lower))
+    body = "\n".join(f"   {n}" for n in sorted(public_names(), key=str.lower))
     (GENERATED / "api.md").write_text(
         "# API\n\nEverything `import nnx_shard as ns` gives; the errors have [their own pages](errors.md), "
         "the Hugging Face key maps are `ns.key_maps`, the seeds' API `ns.compat`.\n\n"
@@ -140,9 +144,8 @@ def check_every_public_name_has_a_page(app: Any, exception: Exception | None) ->
     if exception is not None or app.builder.name != "html":
         return
     out = Path(app.outdir)
-    missing = [n for n in ns.__all__ if n in ns.errors.__all__ and not (out / "_generated" / "errors" / f"{n}.html").exists()]
-    public = [n for n in ns.__all__ if n not in ns.errors.__all__ and n not in ("compat", "errors", "key_maps", "__version__")]
-    missing += [n for n in public if not (out / "_generated" / "api" / f"nnx_shard.{n}.html").exists()]
+    missing = [n for n in ns.errors.__all__ if not (out / "_generated" / "errors" / f"{n}.html").exists()]
+    missing += [n for n in public_names() if not (out / "_generated" / "api" / f"nnx_shard.{n}.html").exists()]
     if missing:
         raise RuntimeError(f"public names without a page: {missing}")
 

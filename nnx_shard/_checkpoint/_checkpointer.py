@@ -24,7 +24,6 @@ from nnx_shard._checkpoint._directory import (
     remove_leftovers,
     remove_unfinished,
     save_failed,
-    unreadable,
 )
 from nnx_shard._checkpoint._faults import StorageAction, is_storage_error, storage_faults
 from nnx_shard._checkpoint._format import (
@@ -146,7 +145,7 @@ class Checkpointer:
         if self._manager is None:
             if self._closed:
                 raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")
-            with self._storage(None, StorageAction.OPENING):
+            with self._reads.reading(None):  # a fault opening is reported as a read's
                 remove_leftovers(self.directory)  # of interrupted saves, with a note
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=self._options, handler_registry=registry()
@@ -278,10 +277,7 @@ class Checkpointer:
         def convert(e: BaseException, hidden: list[str]) -> BaseException:
             if action is StorageAction.SAVING:
                 return self._save_failed(step, e)
-            if action is StorageAction.SETTING_ASIDE:
-                return move_failed(self.directory, e)
-            others = [s for s in self.all_steps() if s != step] if step is not None else []
-            return unreadable(self.directory, step, e, hidden, others)
+            return move_failed(self.directory, e)  # StorageAction.SETTING_ASIDE
 
         with storage_faults(convert) as hidden:
             yield hidden

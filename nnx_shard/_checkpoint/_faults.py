@@ -62,7 +62,6 @@ def chain(error: BaseException) -> Iterator[BaseException]:
 class StorageAction(enum.Enum):
     """What a storage fault interrupted: it decides which error reports it."""
 
-    OPENING = "opening"
     SAVING = "saving"
     SETTING_ASIDE = "setting aside"
 

@@ -61,7 +61,7 @@ class CheckpointReader:
     def _exists(self) -> bool:
         return self.directory.exists()
 
-    def _storage(self, step: int | None) -> contextlib.AbstractContextManager[list[str]]:
+    def reading(self, step: int | None) -> contextlib.AbstractContextManager[list[str]]:
         """A storage fault inside a read becomes the error that names the step and what was unreadable."""
 
         def convert(e: BaseException, hidden: list[str]) -> BaseException:
@@ -91,7 +91,7 @@ class CheckpointReader:
     def metadata(self, step: int) -> dict[str, Any]:
         """See :meth:`nnx_shard.Checkpointer.metadata`."""
         self._check_step(step)
-        with self._storage(step):
+        with self.reading(step):
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if not isinstance(meta, Mapping):
             raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
@@ -105,7 +105,7 @@ class CheckpointReader:
 
     def _saved_tree(self, step: int) -> Any:
         """The saved state's tree metadata (``state/_METADATA``), read as a storage fault would be reported."""
-        with self._storage(step):
+        with self.reading(step):
             items = self.manager.metadata(step).item_metadata
             tree = items.get("state") if items is not None else None
         if not tree:
@@ -131,7 +131,7 @@ class CheckpointReader:
 
     def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
         """See :meth:`nnx_shard.Checkpointer.check_structure`."""
-        with self._storage(step):
+        with self.reading(step):
             changed = changed_files(self.directory / str(step)) if self.verify else []
         if changed:
             raise self._corrupted(
@@ -171,7 +171,7 @@ class CheckpointReader:
     ) -> tuple[Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.read`."""
         stored, keys = storage_target(target)
-        with self._storage(step):
+        with self.reading(step):
             out = self._reader(max_host_bytes, stored).restore(
                 step,
                 args=ocp.args.Composite(

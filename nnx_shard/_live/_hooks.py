@@ -196,7 +196,6 @@ class ShardingHooks:
         jitted step can donate them.
         """
         self._require("live objects to restore into")
-        self._check_keys(restored, "restored keys {unknown} are not among the objects {objects}.")
         self.update(place_loaded(restored, self.states(), self.shardings))
         barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
 

@@ -30,6 +30,9 @@ def place_loaded(
     shard by shard; a pure dict's values go into the structure of ``live``.
     The results own their buffers, so the next jitted step can donate them.
     """
+    unknown = sorted(set(loaded) - set(live))
+    if unknown:
+        raise CheckpointError(f"restored keys {unknown} are not among the objects {sorted(live)}.")
     incoming = {}
     for key, value in loaded.items():
         if isinstance(value, nnx.State) or is_graph_object(value):
@@ -104,9 +107,6 @@ def restore_and_reshard(
     plan = plan_sharding(dict(objects), strategy, mesh)
     live = as_state(dict(objects))[0]
     if state is not None:
-        unknown = sorted(set(state) - set(objects))
-        if unknown:
-            raise CheckpointError(f"restored keys {unknown} are not among the objects {sorted(objects)}.")
         placed = place_loaded(state, live, plan.shardings)
         barrier_sync("nnx_shard/on_restore")
         _write(objects, placed)

@@ -91,8 +91,9 @@ def _traffic(
         if p.path not in trained or p.shape is None or n == 1:
             continue
         spec = normalize_spec(p.spec or (), len(p.shape), p.path)
-        ring = (n - 1) / n * p.bytes_per_device * (n if _over(spec, data, len(p.shape)) else 1)
-        if _over(spec, data, len(p.shape)):
+        sharded = _over(spec, data, len(p.shape))
+        ring = (n - 1) / n * p.bytes_per_device * (n if sharded else 1)
+        if sharded:
             out["parameter all-gathers"] += int(ring)
             out["gradient reduce-scatters"] += int(ring)
         else:
@@ -117,7 +118,7 @@ def layouts(state: Any, mesh: Mesh, *, tokens_per_step: int | None = None) -> li
     tensor = [a for a in mesh.axis_names if a not in data]
     D, every = _axes_text(data), _axes_text([*data, *tensor])
     roles = state_roles(state)
-    replicated = plan_sharding(state, [(".*", "replicate")], mesh)
+    replicated = plan_sharding(state, [(".*", "replicate()")], mesh)  # the first candidate's plan too
     groups = _groups(replicated)
     candidates: list[tuple[str, list[tuple[str, str]], list[str]]] = [
         (
@@ -161,7 +162,7 @@ def layouts(state: Any, mesh: Mesh, *, tokens_per_step: int | None = None) -> li
         )  # fmt: skip
     out = []
     for name, rules, why in candidates:
-        plan = plan_sharding(state, rules, mesh, strict=False)
+        plan = replicated if rules == replicated.rules else plan_sharding(state, rules, mesh, strict=False)
         out.append(Layout(name, rules, plan, _traffic(plan, roles, data, tokens_per_step), why))
     return out
 

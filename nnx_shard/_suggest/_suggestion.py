@@ -68,8 +68,8 @@ class Suggestion:
             f"on {mesh.devices.size} devices ({describe_mesh(mesh)})"
         )
         lines = [head, "rules = ["]
-        for (pattern, tactic), why in zip(self.rules, self.why, strict=True):
-            saved = _saved(self.plan, self.rules.index((pattern, tactic)))
+        for index, ((pattern, tactic), why) in enumerate(zip(self.rules, self.why, strict=True)):
+            saved = _saved(self.plan, index)
             lines.append(f"    ({pattern!r}, {tactic!r}),  # {why}{saved}")
         lines.append("]")
         how = "compiled" if self.compiled else "modelled"

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnx_shard._base import abstract_construction, format_bytes, mesh_from_string
 from nnx_shard._checkpoint import abstract_target
 from nnx_shard._cluster import CompileReport, compile_program, data_sharding, hbm_bytes
-from nnx_shard._sharding import on_mesh, plan_sharding
-from nnx_shard._suggest import Suggestion, choose, default_budget, layouts, parse_bytes
+from nnx_shard._sharding import ShardingPlan, on_mesh, plan_sharding
+from nnx_shard._suggest import Suggestion, choose, default_budget, layouts, parse_bytes, suggest
 from nnx_shard._trainer._step import CompiledSteps, TrainStep
 from nnx_shard.errors import NoLayoutFitsError
 
@@ -54,17 +54,38 @@ def compile_step(
     (8, True, True)
     """
     mesh = mesh_over(config.mesh, devices)
+    objects = _abstract(create)
+    plan = plan_sharding(_states(objects), list(config.sharding_strategy), mesh)
+    return _compile(objects, plan, train_step, config.on_nonfinite, devices, batch)
+
+
+def _abstract(create: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The model, optimizer and EMA ``create`` builds, as shapes: nothing allocated."""
     with abstract_construction():
-        objects = nnx.eval_shape(create)
+        return nnx.eval_shape(create)
+
+
+def _states(objects: dict[str, Any]) -> dict[str, Any]:
+    return {k: nnx.state(v) for k, v in objects.items()}
+
+
+def _compile(
+    objects: dict[str, Any],
+    plan: ShardingPlan,
+    train_step: TrainStep,
+    mode: str,
+    devices: Sequence[Any],
+    batch: Any,
+) -> CompileReport:
+    """The step over ``objects`` placed as ``plan`` says, compiled for ``devices``."""
+    mesh, states = plan.mesh, _states(objects)
     graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
-    states = {k: nnx.state(v) for k, v in objects.items()}
-    plan = plan_sharding(states, list(config.sharding_strategy), mesh)
     target = {k: abstract_target(states[k], plan.shardings[k]) for k in states}
     rows = data_sharding(mesh)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rows), batch)
     replicated = NamedSharding(mesh, PartitionSpec())
     counters = {k: jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated) for k in ("bad", "skipped")}
-    steps = CompiledSteps(mesh, plan, train_step, config.on_nonfinite, graphdefs)
+    steps = CompiledSteps(mesh, plan, train_step, mode, graphdefs)
     with on_mesh(mesh):
         fn, kwargs = steps.program(batch)
         report = compile_program(fn, (target, counters, batch), list(devices), plan=plan, **kwargs)
@@ -90,23 +111,24 @@ def suggest_layout(
     tries again (at most 4 rounds); each compile is reported in ``attempts``.
     """
     mesh = mesh_over(config.mesh, devices)
-    with abstract_construction():
-        objects = nnx.eval_shape(create)
-    states = {k: nnx.state(v) for k, v in objects.items()}
-    limit = parse_bytes(budget) if budget is not None else default_budget(mesh)
-    candidates = layouts(states, mesh, tokens_per_step=tokens_per_step)
+    objects = _abstract(create)  # once: each layout's compile places these same shapes by its own plan
     if batch is None:
-        return Suggestion.of(
-            choose(candidates, limit), limit, candidates, attempts=["not compiled: no batch given"]
-        )
+        suggestion = suggest(_states(objects), mesh, budget, tokens_per_step=tokens_per_step)
+        suggestion.attempts.append("not compiled: no batch given")
+        return suggestion
+    limit = parse_bytes(budget) if budget is not None else default_budget(mesh)
+    candidates = layouts(_states(objects), mesh, tokens_per_step=tokens_per_step)
     hbm, attempts = hbm_bytes(mesh.devices.flat[0]), []
+    reports: dict[str, CompileReport] = {}  # a layout is compiled once, however many rounds it stays in
     choose(candidates, limit)  # NoLayoutFitsError when nothing fits the budget given
     for _ in range(4):
         compiled = []
         for layout in (c for c in candidates if limit is None or c.state_bytes <= limit):
-            cfg = config.copy_and_resolve_references()
-            cfg.sharding_strategy = list(layout.rules)
-            report = compile_step(cfg, create, train_step, devices, batch)
+            if layout.name not in reports:
+                reports[layout.name] = _compile(
+                    objects, layout.plan, train_step, config.on_nonfinite, devices, batch
+                )
+            report = reports[layout.name]
             sent = {k: v["bytes"] for k, v in report.collectives.items()}
             over = hbm is not None and (report.fits is False or (report.peak_bytes or 0) > hbm)
             attempts.append(
