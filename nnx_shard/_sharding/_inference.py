@@ -25,7 +25,7 @@ from nnx_shard._base import (
     spec_axes,
 )
 from nnx_shard._sharding._explicit import explicit_axes
-from nnx_shard._sharding._notes import Note, NoteKind, split_noted
+from nnx_shard._sharding._notes import Note, Noted, NoteKind
 from nnx_shard._sharding._parser import as_tactic
 from nnx_shard._sharding._plan import LeafPlacement, ShardingPlan
 from nnx_shard._sharding._tactics import Tactic
@@ -146,6 +146,8 @@ def _mark_stacked(leaf: Leaf, names: Sequence[str]) -> tuple[Spec, list[Note]]:
     """The starting spec: dimensions NNX marks as stacked layers are kept whole (and noted)."""
     annotation = leaf.annotation() or ()
     leaf.stacked = tuple(i for i, n in enumerate(annotation) if isinstance(n, str) and n in names)
+    if not leaf.stacked:  # most leaves: no comprehension to run (this is once per leaf of every plan)
+        return (None,) * leaf.ndim, []
     notes = [
         Note(NoteKind.KEPT_WHOLE, f"dim {i} kept whole: stacked layer axis {annotation[i]!r}")
         for i in leaf.stacked
@@ -162,11 +164,13 @@ def _leaf_spec(leaf: Leaf, rule: Any, mesh: Mesh, stacked_axis_names: Any) -> tu
         notes.append(Note(NoteKind.NO_RULE, "no rule matched: replicated"))
     else:
         try:
-            given, said = split_noted(rule.tactic(spec, mesh, leaf.path, leaf))
-            spec = normalize_spec(given, leaf.ndim, leaf.describe())
+            result = rule.tactic(spec, mesh, leaf.path, leaf)
+            if isinstance(result, Noted):
+                notes += result.notes
+                result = result.spec
+            spec = normalize_spec(result, leaf.ndim, leaf.describe())
         except TacticError as e:
             raise e.with_rule(rule.index, rule.pattern, rule.text) from None
-        notes += said
     return finalize_spec(spec), tuple(notes)
 
 

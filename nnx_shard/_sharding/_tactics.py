@@ -120,12 +120,13 @@ class Chain(Tactic):
         self.tactics = tuple(flat)
 
     def __call__(self, cur_spec: Spec, mesh: Mesh, name: str, leaf: Leaf) -> Any:
-        notes: list[Note] = []
+        notes: tuple[Note, ...] = ()
         for t in self.tactics:
-            spec_, said = split_noted(t(cur_spec, mesh, name, leaf))
-            notes += said
-            cur_spec = normalize_spec(spec_, leaf.ndim, leaf.describe())
-        return noted(cur_spec, notes)
+            result = t(cur_spec, mesh, name, leaf)
+            if isinstance(result, Noted):  # inline, not split_noted: this runs for every leaf of a plan
+                notes, result = notes + result.notes, result.spec
+            cur_spec = normalize_spec(result, leaf.ndim, leaf.describe())
+        return Noted(cur_spec, notes) if notes else cur_spec
 
     def __str__(self) -> str:
         return "|".join(str(t) for t in self.tactics)
