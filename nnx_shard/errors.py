@@ -32,6 +32,18 @@ class CheckpointWarning(NnxShardWarning):
     """A checkpoint not written, or set aside: a skipped save, a step that failed to verify, an abandoned branch."""
 
 
+class DataPositionWarning(NnxShardWarning):
+    """A data iterator's saved position could not be used, so it starts again from its beginning.
+
+    Raised when a run resumes on another number of processes with an iterator
+    whose position is per process (grain's ``DataLoader``, most hand-written
+    iterators): examples already seen are read again and others skipped. Pass
+    ``grain.experimental.ElasticIterator`` (its position is global and maps onto
+    any process count), an iterator with ``elastic = True`` that does the same,
+    or a ``step -> batch`` callable.
+    """
+
+
 # -- bad input (ValueError) ----------------------------------------------------
 
 
@@ -257,6 +269,7 @@ __all__ = [
     "CompileError",
     "ConfigError",
     "ConflictingArgumentsError",
+    "DataPositionWarning",
     "DistributedNotInitializedError",
     "EmptyStateError",
     "EmptyStateKind",

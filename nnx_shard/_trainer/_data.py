@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nnx_shard._cluster import data_sharding, host_local_to_global
-from nnx_shard.errors import BatchStructureError, ConfigError
+from nnx_shard.errors import BatchStructureError, ConfigError, DataPositionWarning
 
 TOKEN_KEYS = ("tokens", "input_ids", "inputs_ids", "token_ids")
 
@@ -25,15 +26,21 @@ class Batches:
     ``DataLoader`` and ``IterDataset`` iterators have them) is resumable: its
     state goes into every checkpoint and is set on the next iterator before it
     is read, so a resumed run reads the batches an uninterrupted run would.
+    On another number of processes only an elastic iterator's position carries
+    over (:func:`is_elastic`); any other starts again, with a
+    :class:`nnx_shard.DataPositionWarning`.
     """
 
-    def __init__(self, data: Callable[[int], Any] | Iterable[Any], resume_state: Any = None):
+    def __init__(self, data: Callable[[int], Any] | Iterable[Any], saved_states: list[Any] | None = None):
         self.callable = data if callable(data) and not hasattr(data, "__iter__") else None
         self.iterator: Iterator[Any] | None = None if self.callable is not None else iter(data)
+        self.elastic = self.callable is None and (is_elastic(data) or is_elastic(self.iterator))
         self.resumed = False
-        if resume_state is not None and self.resumable:
-            self.iterator.set_state(resume_state)
-            self.resumed = True
+        if saved_states and self.resumable:
+            state = state_for_this_process(saved_states, elastic=self.elastic, iterator=self.iterator)
+            if state is not None:
+                self.iterator.set_state(state)
+                self.resumed = True
 
     @property
     def resumable(self) -> bool:
@@ -52,6 +59,57 @@ class Batches:
 
     def state(self) -> Any:
         return self.iterator.get_state() if self.resumable else None
+
+
+def is_elastic(data: Any) -> bool:
+    """Whether an iterable's position is global: one state, the same on every process, that ``set_state``
+    maps onto any number of processes (shards) and keeps the global batch.
+
+    grain's ``grain.experimental.ElasticIterator`` (and the iterator it returns) is; any other iterable
+    says so with a true ``elastic`` attribute.
+
+    >>> class Steps:
+    ...     elastic = True
+    >>> is_elastic(Steps()), is_elastic(iter([1, 2]))
+    (True, False)
+    """
+    if getattr(data, "elastic", False) is True:
+        return True
+    module = type(data).__module__
+    return module.startswith("grain.") and module.endswith(".elastic_iterator")
+
+
+def state_for_this_process(states: list[Any] | None, *, elastic: bool = False, iterator: Any = None) -> Any:
+    """This process's saved data state, None when there is none.
+
+    On the process count it was saved with, each process takes its own. On another, an elastic
+    iterator's (global) state is the same for all and is taken from any process that saved one; any
+    other iterator's cannot be mapped onto the new processes, which a
+    :class:`nnx_shard.DataPositionWarning` says (its position starts again).
+    """
+    if not states:
+        return None
+    if len(states) == jax.process_count() and states[jax.process_index()] is not None:
+        return decode_state(states[jax.process_index()])
+    saved = [s for s in states if s is not None]
+    if elastic and saved and all(s == saved[0] for s in saved):
+        return decode_state(saved[0])
+    what = type(iterator).__qualname__
+    if elastic:
+        why = f"its processes saved {len({json.dumps(s, sort_keys=True) for s in saved})} different positions"
+    else:
+        why = "its position is per process (it is not elastic)"
+    warnings.warn(
+        f"the data position was saved by {len(states)} process{'es' if len(states) != 1 else ''} and this run "
+        f"has {jax.process_count()}: the {what} iterator's cannot be mapped onto them ({why}), so it starts "
+        f"again from its beginning: examples already seen are read again and others are skipped. To resume at "
+        f"the example where the run stopped, read the data with grain.experimental.ElasticIterator(dataset, "
+        f"global_batch_size, grain.sharding.ShardOptions(jax.process_index(), jax.process_count())), an "
+        f"iterator with elastic = True, or a step -> batch callable.",
+        DataPositionWarning,
+        stacklevel=3,
+    )
+    return None
 
 
 def encode_state(state: Any) -> Any:
@@ -87,15 +145,6 @@ def gather_states(state: Any) -> list[Any]:
     padded[: raw.size] = raw
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, lengths, strict=True)]
-
-
-def state_for_this_process(states: list[Any] | None) -> Any:
-    """This process's saved data state; None when there is none or the process count changed."""
-    if not states:
-        return None
-    if len(states) != jax.process_count():
-        return None  # each process read its own shard of the data: the mapping no longer holds
-    return decode_state(states[jax.process_index()])
 
 
 def signature(batch: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -329,9 +329,8 @@ class Trainer:
             self._maybe_resume()
             self.lineage.check_fresh(overwrite=self.config.overwrite)
             end = self.step + steps if steps is not None else self.config.total_steps
-            resume = _data.state_for_this_process(self._data_states) if not callable(data) else None
-            batches = _data.Batches(data, resume)
-            if batches.resumed:
+            batches = _data.Batches(data, self._data_states)
+            if batches.resumable:  # its saved position is used, or the warning said why not
                 self._data_states = None
             return self.loop.run(self, batches, eval_data, end)
 

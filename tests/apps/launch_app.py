@@ -1,6 +1,10 @@
 """A training job run under `nnx-shard launch` by the tests: it may kill one of its own processes mid-run.
 
-python tests/apps/launch_app.py WORKDIR [--kill PROCESS:STEP] [--step-timeout S --hang-at STEP]
+python tests/apps/launch_app.py WORKDIR [--kill PROCESS:STEP] [--step-timeout S --hang-at STEP] [--data KIND]
+
+``--data elastic`` reads numbered examples through grain's ElasticIterator, ``--data per-process`` through a
+grain iterator of this process's own shard; every process writes the example numbers it fed at each step to
+``seen-<restart>-<process>.jsonl``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import nnx_shard as ns
 info = ns.initialize_distributed(heartbeat_timeout=5, shutdown_timeout=5)
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from tests.apps.trainer_app import RegressionTrainer, batch_for, config, digest  # noqa: E402
@@ -53,6 +58,47 @@ def run_job(
     )
 
 
+def example(i: int) -> dict[str, np.ndarray]:
+    """Example ``i`` of the numbered data set: its features, its target and its number."""
+    x = np.random.default_rng(i).normal(size=8).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(keepdims=True)).astype(np.float32), "id": np.int32(i)}
+
+
+def numbered_data(kind: str, examples: int = 100_000):
+    """The numbered examples as an iterable of host-local batches (``ROWS`` global rows each) of this process."""
+    import grain
+
+    ds = grain.MapDataset.range(examples).map(example)
+    if kind == "elastic":
+        shards = grain.sharding.ShardOptions(jax.process_index(), jax.process_count())
+        return grain.experimental.ElasticIterator(ds, ROWS, shards)
+    per = ROWS // jax.process_count()  # each process its own slice: a position that holds for this count only
+    return ds[jax.process_index() :: jax.process_count()].batch(per, drop_remainder=True).to_iter_dataset()
+
+
+class RecordingTrainer(RegressionTrainer):
+    """Writes the example numbers this process feeds at each step to ``path`` (a line per step, flushed)."""
+
+    path: Path | None = None
+
+    def global_batch(self, batch):
+        if self.path is not None and "id" in batch:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "ids": np.asarray(batch["id"]).tolist()}) + "\n")
+        return super().global_batch(batch)
+
+
+def seen(workdir: Path, restart: int, steps: range) -> dict[int, list[int]]:
+    """The example numbers each of ``steps`` fed in run ``restart``, from every process's record, sorted."""
+    out: dict[int, list[int]] = {s: [] for s in steps}
+    for path in sorted(workdir.glob(f"seen-{restart}-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["step"] in out:
+                out[record["step"]] += record["ids"]
+    return {s: sorted(ids) for s, ids in out.items()}
+
+
 def recovered_event(workdir: Path) -> dict:
     """The one ``recovered`` event in the job's metrics.jsonl."""
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -75,9 +121,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64, help="of the MLP's hidden layers")
     ap.add_argument("--snapshot-every", type=int, default=0)
     ap.add_argument("--flip", action="store_true", help="on a restart, flip a byte of each snapshot file")
+    ap.add_argument("--data", choices=("callable", "elastic", "per-process"), default="callable")
     args = ap.parse_args()
     restart = info.restart if info is not None else 0
-    trainer = RegressionTrainer(
+    RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")
+    trainer = RecordingTrainer(
         {
             **config(args.workdir, total_steps=args.steps),
             "save_every": args.save_every,
@@ -108,7 +156,8 @@ def main() -> None:
             f.write_bytes(bytes(data))
     if args.hang_at >= 0:
         trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
-    history = trainer.train(lambda step: batch_for(step, rows=ROWS))
+    data = numbered_data(args.data) if args.data != "callable" else lambda step: batch_for(step, rows=ROWS)
+    history = trainer.train(data)
     kernel = trainer.states["model"]["out"]["kernel"].get_value()
     result = {
         "restart": restart,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from tests.apps.launch_app import recovered_event, run_job
+from tests.apps.launch_app import ROWS, RecordingTrainer, numbered_data, recovered_event, run_job, seen
 from tests.apps.trainer_app import RegressionTrainer, batch_for, config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,6 +117,55 @@ def test_losing_process_0_of_3_restarts_on_2_from_snapshots_without_a_checkpoint
         [result["losses"][str(s)] for s in range(3, 7)], [history[s] for s in range(3, 7)], rtol=1e-4
     )
     np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
+
+
+def uninterrupted_on_numbered_data(tmp_path: Path, steps: int = 8) -> tuple[dict[int, float], dict[int, list]]:
+    """The losses and the example numbers of each step of a run on the numbered data without a death."""
+    RecordingTrainer.path = tmp_path / "seen-reference.jsonl"
+    try:
+        reference = RecordingTrainer({**config(str(tmp_path / "ref-data"), total_steps=steps), "save_every": 2})
+        history = {int(h["step"]): h["loss"] for h in reference.train(numbered_data("elastic"))}
+    finally:
+        RecordingTrainer.path = None
+    fed = [json.loads(line) for line in (tmp_path / "seen-reference.jsonl").read_text().splitlines()]
+    return history, {r["step"]: sorted(r["ids"]) for r in fed}
+
+
+@pytest.mark.parametrize(
+    "processes, devices, kill, restored, extra",
+    [(4, 2, "2:6", 5, SNAPSHOTS), (2, 4, "1:5", 4, ())],
+    ids=["4->3 from snapshots", "2->1 from a checkpoint"],
+)
+def test_a_restart_on_fewer_processes_reads_each_example_once_from_where_the_run_stopped(
+    tmp_path, processes, devices, kill, restored, extra
+):
+    workdir = tmp_path / "job"
+    done = run_job(workdir, processes, devices, kill, extra=(*extra, "--data", "elastic"), timeout=400)
+    lost = kill.split(":")[0]
+    result = finished(workdir, done, f"process {lost} killed by SIGKILL", processes - 1, devices)
+    assert result["restored_step"] == restored
+    assert "DataPositionWarning" not in done.stderr
+    history, expected = uninterrupted_on_numbered_data(tmp_path)
+    # the steps kept from the first run, then the restart's: each the examples of the uninterrupted run's step
+    got = {**seen(workdir, 0, range(1, restored + 1)), **seen(workdir, 1, range(restored + 1, 9))}
+    assert got == expected
+    assert expected == {s: list(range((s - 1) * ROWS, s * ROWS)) for s in range(1, 9)}  # none twice, none skipped
+    np.testing.assert_allclose(
+        [result["losses"][str(s)] for s in range(restored + 1, 9)],
+        [history[s] for s in range(restored + 1, 9)],
+        rtol=1e-4,
+    )
+
+
+def test_an_iterator_whose_position_is_per_process_starts_again_with_a_warning(tmp_path):
+    workdir = tmp_path / "job"
+    done = run_job(workdir, 2, 4, "1:5", extra=("--data", "per-process"))
+    result = finished(workdir, done, "process 1 killed by SIGKILL", 1, 4)
+    assert result["restored_step"] == 4
+    assert "DataPositionWarning: the data position was saved by 2 processes and this run has 1" in done.stderr
+    assert "starts again from its beginning" in done.stderr and "ElasticIterator" in done.stderr
+    # what the warning says happened: the survivor read its data from the beginning, not from example 96
+    assert seen(workdir, 1, range(5, 6))[5] == list(range(ROWS))
 
 
 def test_the_job_exit_status_and_when_it_gives_up(tmp_path):
