@@ -21,7 +21,14 @@ import jax
 from nnx_shard._base import COMPILE_CLOCK
 from nnx_shard._checkpoint import SnapshotWriter
 from nnx_shard._trainer import _data, _guard
-from nnx_shard._trainer._recovery import RecoveryHost, is_restart, recovery_fields, snapshot, start_snapshots
+from nnx_shard._trainer._recovery import (
+    RecoveryHost,
+    failed_at,
+    is_restart,
+    recovery_fields,
+    snapshot,
+    start_snapshots,
+)
 from nnx_shard._trainer._watchdog import Watchdog
 
 logger = logging.getLogger("nnx_shard")
@@ -65,6 +72,8 @@ class TrainingLoop:
         self.batches: _data.Batches | None = None
         self._stop_request: str | None = None
         self._preempted = False
+        self._recovered = False  # this call ran a restarted job's first step
+        self._recovery_done = False  # a restarted job's first step ran (in this call or an earlier one)
 
     def add_callback(self, fn: Callback, every: int) -> None:
         self.callbacks.append((fn, every))
@@ -74,7 +83,7 @@ class TrainingLoop:
 
     def run(self, host: LoopHost, batches: _data.Batches, eval_data: Any, end: int) -> list[dict[str, float]]:
         """Runs ``host`` from its step to ``end`` on ``batches``; returns the logged records."""
-        self.batches = batches
+        self.batches, self._recovered = batches, False
         snapshots = start_snapshots(host)  # refuses to start without the memory they need
         self.stop_reason, self._stop_request = None, None
         previous = self._install_sigterm()
@@ -103,7 +112,7 @@ class TrainingLoop:
         end: int,
     ) -> None:
         cfg = host.config
-        first, recovering = True, is_restart()
+        first, recovering = True, is_restart() and not self._recovery_done
         while host.step < end:
             if not (first and cfg.startup_timeout):  # the first step is part of the startup
                 host.watchdog.arm(f"step {host.step + 1}", cfg.step_timeout, "step_timeout")
@@ -118,7 +127,8 @@ class TrainingLoop:
             counters = host.guard
             if recovering:  # the first step of a restarted job: timed to the end, then reported
                 metrics = _first_step_recovered(host, batch)
-                recovering = False
+                recovering, self._recovered = False, True
+                self._recovery_done = True
             else:
                 metrics = host.run_step(batch)
             host.step += 1
@@ -181,10 +191,15 @@ class TrainingLoop:
         if host.checkpointer is not None:
             host.checkpointer.wait_until_finished()
         wall = time.perf_counter() - start
-        overhead = sum(v - spent.get(k, 0.0) for k, v in host.timings.items() if k != "train")
-        goodput = round(max(0.0, 1 - overhead / max(wall, 1e-9)), 3)  # the share of wall time in steps
+        # this call's time outside steps: its compiles, saves, snapshots, evals (the ``recovered`` event is
+        # the first step, its compile already counted; what happened before the call is not this call's)
+        overhead = sum(v - spent.get(k, 0.0) for k, v in host.timings.items() if k not in ("train", "recovered"))
         last = int(history[-1]["step"]) if history else host.step
-        fields = {"last_step": last, "stop_reason": self.stop_reason, "goodput": goodput}
+        fields = {"last_step": last, "stop_reason": self.stop_reason, "goodput": _share(overhead, wall)}
+        if self._recovered and (failed := failed_at()) is not None:  # the restart's cost, from the death on
+            before = time.time() - wall - failed  # detection, relaunch, start, restore: all before this call
+            fields["recovery_s"] = round(before, 3)
+            fields["goodput_since_failure"] = _share(overhead + before, wall + before)
         host.observer.event("train", wall, host.step, **fields)
         host.observer.close()
 
@@ -229,6 +244,11 @@ class TrainingLoop:
             self.stop_reason = f"stopped: {self._stop_request}"
             return True
         return False
+
+
+def _share(overhead: float, wall: float) -> float:
+    """Goodput: the share of ``wall`` seconds not spent on ``overhead``."""
+    return round(min(1.0, max(0.0, 1 - overhead / max(wall, 1e-9))), 3)
 
 
 def _first_step_recovered(host: LoopHost, batch: Any) -> Any:

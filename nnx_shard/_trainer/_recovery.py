@@ -87,6 +87,11 @@ def recovery_fields(
     }
 
 
+def failed_at() -> float | None:
+    """When ``nnx-shard launch`` saw the death this job restarted after (epoch seconds); None on a first run."""
+    return _env_time(FAILED_AT) if is_restart() else None
+
+
 def is_restart() -> bool:
     """Whether this process is part of a job that ``nnx-shard launch`` restarted."""
     info = launch_info()

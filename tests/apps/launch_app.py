@@ -99,10 +99,15 @@ def seen(workdir: Path, restart: int, steps: range) -> dict[int, list[int]]:
     return {s: sorted(ids) for s, ids in out.items()}
 
 
+def job_events(workdir: Path, name: str) -> list[dict]:
+    """The ``name`` events in the job's metrics.jsonl, in the order they were written."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == name]
+
+
 def recovered_event(workdir: Path) -> dict:
     """The one ``recovered`` event in the job's metrics.jsonl."""
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    (recovered,) = [r for r in records if r.get("event") == "recovered"]
+    (recovered,) = job_events(workdir, "recovered")
     return recovered
 
 

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 import nnx_shard as ns
-from tests.apps.launch_app import ROWS, RecordingTrainer, numbered_data, recovered_event, run_job, seen
+from tests.apps.launch_app import (
+    ROWS,
+    RecordingTrainer,
+    job_events,
+    numbered_data,
+    recovered_event,
+    run_job,
+    seen,
+)
 from tests.apps.trainer_app import RegressionTrainer, batch_for, config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +88,16 @@ def test_kill_9_restarts_on_the_survivor_from_snapshots_and_matches_an_uninterru
     assert (recovered["processes_before"], recovered["processes_after"], recovered["restart"]) == (2, 1, 1)
     assert all(recovered[p] >= 0 for p in PHASES), recovered
     assert recovered["compile_s"] > 0 and recovered["read_reshard_s"] > 0
+    # the survivor's train() call: its own goodput (not driven to 0 by seconds spent before it), and the
+    # goodput since the death, which counts detection, relaunch and restore as lost time
+    train = job_events(workdir, "train")[-1]
+    before = recovered["detection_s"] + recovered["relaunch_s"] + recovered["read_reshard_s"]
+    assert 0 < train["goodput_since_failure"] < train["goodput"] <= 1, train
+    assert train["recovery_s"] == pytest.approx(before, abs=0.5), (train, recovered)
+    assert train["goodput_since_failure"] == pytest.approx(
+        1 - (train["recovery_s"] + (1 - train["goodput"]) * train["seconds"]) / (train["recovery_s"] + train["seconds"]),
+        abs=0.01,
+    )
     history, kernel = uninterrupted(tmp_path)
     np.testing.assert_allclose(
         [result["losses"][str(s)] for s in (6, 7, 8)], [history[s] for s in (6, 7, 8)], rtol=1e-4
