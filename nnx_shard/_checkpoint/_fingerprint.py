@@ -161,6 +161,44 @@ def _block_sum(words: np.ndarray, base: int, strides: Sequence[int]) -> int:
     return (int(_C1) * (base * total + linear) + int(_C2) * total + odd) % 2**32
 
 
+def block_fingerprint(data: np.ndarray, start: Sequence[int], shape: Sequence[int]) -> int:
+    """The share of :func:`fingerprints`' sum that a block of an array holds, on the host (nothing compiled).
+
+    ``data`` is the block (C order) whose first element is at ``start`` in an
+    array of global ``shape``. The shares of blocks that tile the array add up,
+    modulo 2**32, to its fingerprint: a snapshot sums each piece where it is
+    written and checks the whole after it is read back onto other devices.
+
+    >>> x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    >>> top, bottom = block_fingerprint(x[:2], (0, 0), x.shape), block_fingerprint(x[2:], (2, 0), x.shape)
+    >>> f"{(top + bottom) % 2**32:08x}" == fingerprints([jnp.asarray(x)])[0]
+    True
+    """
+    data = np.asarray(data)
+    data = data if data.flags.c_contiguous else np.ascontiguousarray(data)  # (which makes a scalar 1-D)
+    shape, start = list(shape), list(start)
+    if data.dtype.itemsize == 8:  # as _words: two 32-bit words, the low one first, in a last dimension
+        words = data.view(np.uint32).reshape(*data.shape, 2)
+        shape, start = [*shape, 2], [*start, 0]
+    else:
+        words = _word_view(data)
+    if words.ndim == 0:
+        words, shape, start = words.reshape(1), [1], [0]
+    strides = _word_strides(shape)
+    base = sum(f * stride for f, stride in zip(start, strides, strict=True)) % 2**32
+    if words.size == 0:
+        return 0
+    if all(stride % 2 == 0 for stride in strides[:-1]):
+        return _block_sum(words, base, strides)
+    index = np.full((), base, np.uint32)  # a word's global index, for any strides (small arrays, mostly)
+    for d, stride in enumerate(strides):
+        axis = [1] * words.ndim
+        axis[d] = words.shape[d]
+        index = index + np.arange(words.shape[d], dtype=np.uint32).reshape(axis) * np.uint32(stride % 2**32)
+    weights = (index * _C1 + _C2) | np.uint32(1)
+    return int((words.astype(np.uint32) * weights).sum(dtype=np.uint32))
+
+
 @cached(maxsize=256)
 def _bases(shape: tuple[int, ...], sharding: Any) -> tuple[list[int], dict[Any, int]]:
     """The word strides, and the global index of each block's first word, on one device per block."""

@@ -2,27 +2,43 @@
 
 Every ``snapshot_every`` steps each process packs the shards it owns (the
 replica-0 copy of every addressable shard of model, optimizer and EMA) into
-one buffer with a JSON header, and writes it to its own folder under the
-snapshot directory (``/dev/shm`` where it exists: host memory). The same
-buffer goes to one peer through a ``ppermute`` over a mesh of one device per
-process, so that a host's death loses no snapshot data: the peer is on another
-failure domain (the host name, or ``NNX_SHARD_FAILURE_DOMAIN``). Each process
-reads and writes only its own sub-folder, as on separate hosts. The newest
-``keep`` snapshots are kept.
+one file with a JSON header, in its own folder under the snapshot directory
+(``/dev/shm`` where it exists: host memory). The same bytes go to one peer
+through a ``ppermute`` over a mesh of one device per process, so that a host's
+death loses no snapshot data: the peer is on another failure domain (the host
+name, or ``NNX_SHARD_FAILURE_DOMAIN``). Each process reads and writes only its
+own sub-folder, as on separate hosts. The newest ``keep`` snapshots are kept.
 
-Restoring from them on the survivors is in ``_snapshot_read``.
+Off the step's path: the step that takes a snapshot only starts the copy of
+its shards to host memory (``pinned_host``, an asynchronous copy, where the
+devices have their own memory; on CPU devices, whose memory is the host's, the
+one copy straight into the snapshot's file, needed before the next step may
+donate the buffers). Summing each piece, writing the header, and the peer's
+copy happen while the next steps run. A snapshot due while the last one is
+still being written is skipped and counted (as Orbax skips a save), so the
+step never waits on a copy. Each piece carries its share of the array's
+content fingerprint, summed from the bytes written: the pieces of one array
+add up to the fingerprint of the step the snapshot claims.
+
+A snapshot file is ``[8 bytes: where the header starts][the shards][the JSON header]``;
+its folder is written as ``.step-N.tmp`` and renamed (complete, or not there),
+reusing the pages of the oldest kept snapshot. Restoring from them on the
+survivors is in ``_snapshot_read``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import mmap
 import os
 import shutil
 import socket
 import tempfile
 import threading
-import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +46,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from nnx_shard._checkpoint._format import leaf_paths, storable, tree_fingerprints
+from nnx_shard._checkpoint._fingerprint import block_fingerprint
+from nnx_shard._checkpoint._format import leaf_paths, storable
 from nnx_shard.errors import ConfigError
 
+logger = logging.getLogger("nnx_shard")
 DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
-HEADER = 8  # bytes of the header's length, then the header, then the shards
+HEADER = 8  # bytes saying where the JSON header starts; the shards follow them
+ALIGN = 64  # each piece starts at a multiple of this (after HEADER)
+Shard = tuple[str, list[list[int]], Any, tuple[int, ...]]  # path, [[start, stop], ...], data, global shape
 
 
 def default_snapshot_dir(job: str) -> Path:
@@ -51,8 +71,9 @@ def snapshot_folder(directory: Path, run: int | None, process: int) -> Path:
     return (directory if run is None else directory / f"run-{run}") / f"process-{process}"
 
 
-def own_shards(states: Any) -> list[tuple[str, list[list[int]], np.ndarray, tuple[int, ...]]]:
-    """``(path, [[start, stop], ...], data, global shape)`` of every shard this process owns (replica 0)."""
+def own_shards(states: Any) -> list[Shard]:
+    """``(path, [[start, stop], ...], data, global shape)`` of every shard this process owns (replica 0);
+    ``data`` is the shard's single-device ``jax.Array``."""
     out = []
     for path, value in leaf_paths(storable(states)[0]).items():
         if not isinstance(value, jax.Array):
@@ -64,7 +85,7 @@ def own_shards(states: Any) -> list[tuple[str, list[list[int]], np.ndarray, tupl
                 [s.start or 0, dim if s.stop is None else s.stop]
                 for s, dim in zip(shard.index, value.shape, strict=True)
             ]
-            out.append((path, index, np.asarray(shard.data), tuple(value.shape)))
+            out.append((path, index, shard.data, tuple(value.shape)))
     return out
 
 
@@ -74,61 +95,82 @@ def snapshot_own_bytes(states: Any) -> int:
     return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
 
 
-def pack(
-    step: int,
-    shards: Sequence[tuple[str, list[list[int]], np.ndarray, tuple[int, ...]]],
-    fingerprints: dict[str, str] | None = None,
-    out: np.ndarray | None = None,
-    data_state: Any = None,
-) -> np.ndarray:
-    """One uint8 buffer: the header's length, the JSON header (step, pieces, CRC32s, the arrays' content
-    fingerprints, as checkpoints carry, this process's data-iterator state), then the shards' bytes."""
-    pieces, raws, offset = [], [], 0
+def layout(shards: Sequence[Shard]) -> tuple[list[dict[str, Any]], int]:
+    """Each piece's place in a snapshot file, and where the header starts (``HEADER`` + the shards' bytes)."""
+    pieces, offset = [], 0
     for path, index, data, shape in shards:
-        raw = np.ascontiguousarray(data).view(np.uint8).ravel()
-        raws.append(raw)
+        nbytes = int(data.nbytes)
         pieces.append(
             {
                 "path": path,
                 "index": index,
                 "shape": list(shape),
-                "dtype": str(data.dtype),
+                "dtype": data.dtype.name,
                 "offset": offset,
-                "nbytes": int(raw.size),
-                "crc32": zlib.crc32(raw),
+                "nbytes": nbytes,
             }
         )
-        offset += raw.size
-    header = {
-        "step": step,
-        "process": jax.process_index(),
-        "pieces": pieces,
-        "fingerprints": fingerprints or {},
-        "data_state": data_state,
-    }
-    header = json.dumps(header).encode()
-    size = HEADER + len(header) + offset
-    # A buffer reused from an earlier snapshot: no fresh pages to fault in (half the cost at 64 MB).
-    buf = out[:size] if out is not None and out.size >= size else np.empty(size, np.uint8)
-    buf[:HEADER] = np.frombuffer(len(header).to_bytes(HEADER, "little"), np.uint8)
-    buf[HEADER : HEADER + len(header)] = np.frombuffer(header, np.uint8)
-    at = HEADER + len(header)
-    for raw, piece in zip(raws, pieces, strict=True):
-        buf[at + piece["offset"] : at + piece["offset"] + piece["nbytes"]] = raw
-    return buf
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return pieces, HEADER + offset
+
+
+def _piece(buf: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+    raw = buf[HEADER + p["offset"] : HEADER + p["offset"] + p["nbytes"]]
+    return raw.view(jnp.dtype(p["dtype"])).reshape([b - a for a, b in p["index"]])
+
+
+def copy_in(buf: np.ndarray, pieces: Sequence[dict[str, Any]], sources: Sequence[Any]) -> None:
+    """Copies each shard (a ``jax.Array`` in host-readable memory, or NumPy) to its place in ``buf``, in one
+    thread per core (NumPy lets go of the GIL while it copies)."""
+
+    def copy(k: int) -> None:
+        p = pieces[k]
+        raw = np.asarray(sources[k]).reshape(-1).view(np.uint8)
+        buf[HEADER + p["offset"] : HEADER + p["offset"] + p["nbytes"]] = raw
+
+    _in_threads(copy, [p["nbytes"] for p in pieces])
+
+
+def _in_threads(work: Any, sizes: Sequence[int]) -> None:
+    """Runs ``work(k)`` for every ``k``, in one thread per core, each given about equal bytes."""
+    workers = min(os.cpu_count() or 1, len(sizes))
+    if workers <= 1 or sum(sizes) < 2**22:
+        for k in range(len(sizes)):
+            work(k)
+        return
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        w = load.index(min(load))
+        shares[w].append(k)
+        load[w] += sizes[k]
+    with ThreadPoolExecutor(workers) as pool:
+        for done in [pool.submit(lambda ks: [work(k) for k in ks], share) for share in shares]:
+            done.result()
+
+
+def header_bytes(
+    buf: np.ndarray, step: int, pieces: list[dict[str, Any]], data_state: Any = None
+) -> bytes:
+    """The JSON header of a snapshot whose shards are in ``buf``: its step, process, pieces (each with its
+    ``share`` of its array's fingerprint, summed from the bytes in ``buf``) and this process's data state."""
+    for p in pieces:  # in one thread: it runs beside the steps, which have the cores
+        p["share"] = block_fingerprint(_piece(buf, p), [a for a, _ in p["index"]], p["shape"])
+    header = {"step": step, "process": jax.process_index(), "pieces": pieces, "data_state": data_state}
+    return json.dumps(header).encode()
 
 
 def unpack(buf: np.ndarray) -> tuple[dict[str, Any], dict[tuple[str, str], np.ndarray]]:
-    """The header and ``{(path, index as JSON): shard}``; a piece whose CRC32 differs raises ValueError."""
-    size = int.from_bytes(bytes(buf[:HEADER]), "little")
-    header = json.loads(bytes(buf[HEADER : HEADER + size]))
-    at, out = HEADER + size, {}
+    """The header and ``{(path, index as JSON): shard}``; a piece whose fingerprint share differs from the
+    one written raises ValueError."""
+    at = int.from_bytes(bytes(buf[:HEADER]), "little")
+    header = json.loads(bytes(buf[at:]))
+    out = {}
     for p in header["pieces"]:
-        raw = buf[at + p["offset"] : at + p["offset"] + p["nbytes"]]
-        if zlib.crc32(raw) != p["crc32"]:
+        piece = _piece(buf, p)
+        if block_fingerprint(piece, [a for a, _ in p["index"]], p["shape"]) != p["share"]:
             raise ValueError(f"snapshot piece {p['path']} {p['index']} differs from what was written")
-        shape = [stop - start for start, stop in p["index"]]
-        out[(p["path"], json.dumps(p["index"]))] = raw.view(jnp.dtype(p["dtype"])).reshape(shape)
+        out[(p["path"], json.dumps(p["index"]))] = piece
     return header, out
 
 
@@ -162,11 +204,12 @@ def process_mesh() -> Mesh:
     )
 
 
-def exchange(buf: np.ndarray, dest: Sequence[int]) -> np.ndarray:
-    """Sends ``buf`` to process ``dest[me]`` and returns the buffer received, through a JAX ``ppermute``."""
+def exchange(buf: np.ndarray, dest: Sequence[int]) -> Any:
+    """Starts sending ``buf`` to process ``dest[me]`` through a JAX ``ppermute`` (a collective, called by
+    every process in the same order); :func:`received` gives what came here."""
     n, me = jax.process_count(), jax.process_index()
     if n == 1:
-        return buf  # its own peer: written twice, never changed
+        return buf, buf.size  # its own peer: written twice, never changed
     lengths = np.asarray(multihost_utils.process_allgather(np.array([buf.size], np.int64))).ravel()
     width = int(lengths.max())
     mesh = process_mesh()
@@ -181,11 +224,67 @@ def exchange(buf: np.ndarray, dest: Sequence[int]) -> np.ndarray:
         jax.shard_map(lambda x: jax.lax.ppermute(x, "p", perm), mesh=mesh, in_specs=spec, out_specs=spec)
     )(whole)
     source = perm[[d for _, d in perm].index(me)][0]
-    return np.asarray(moved.addressable_shards[0].data)[0, : int(lengths[source])]
+    return moved, int(lengths[source])
+
+
+def received(sent: Any) -> np.ndarray:
+    """The bytes an :func:`exchange` brought here (waits for them; dispatches nothing)."""
+    moved, length = sent
+    if isinstance(moved, np.ndarray):
+        return moved[:length]
+    return np.asarray(moved.addressable_shards[0].data)[0, :length]
+
+
+def host_memory(data: jax.Array) -> Any:
+    """An asynchronous copy of a single-device array into its device's ``pinned_host`` memory, or the
+    array itself on a CPU device (its memory is the host's) or a device without host memory kinds."""
+    device = next(iter(data.devices()))
+    if device.platform == "cpu":
+        return data
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        kinds = set()
+    if "pinned_host" not in kinds:
+        return data
+    return jax.device_put(data, SingleDeviceSharding(device, memory_kind="pinned_host"))
+
+
+def mapped(path: Path, size: int, *, resize: bool = True) -> np.ndarray:
+    """The first ``size`` bytes of the file at ``path`` (made that long, unless ``resize`` is False) as a
+    writable array over its pages, mapped with their page tables filled at once: touching 64 MiB of
+    pages one by one costs more than copying them."""
+    with open(path, "r+b") as f:
+        if resize:
+            f.truncate(size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, flags=flags), np.uint8)  # unmapped with the array
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """One snapshot being written: its folder (``.step-N.tmp`` until complete), its own file's pieces and the
+    copies its shards come from (None once copied)."""
+
+    step: int
+    folder: Path
+    pieces: list[dict[str, Any]]
+    size: int
+    sources: list[Any] | None
+    data_state: Any
+    exchanged: bool = False
+    error: str | None = None
 
 
 class SnapshotWriter:
-    """Writes each snapshot (own + one peer's shards) to this process's folder; keeps the newest ``keep``."""
+    """Writes each snapshot (own + one peer's shards) to this process's folder, off the step's path; keeps
+    the newest ``keep``.
+
+    ``write`` starts a snapshot and returns; with several processes, ``poll``
+    before the next step sends the copy to the peer (every process calls both at
+    the same steps). ``wait`` finishes the snapshot in flight; ``skipped`` counts
+    the snapshots not taken because one was still being written.
+    """
 
     def __init__(
         self,
@@ -196,15 +295,17 @@ class SnapshotWriter:
         discard: Sequence[Path] = (),
     ):
         self.directory = Path(directory)
-        self.keep = keep
+        self.keep = max(keep, 1)
         domain = os.environ.get(DOMAIN) or socket.gethostname()
         all_domains = [str(d) for d in gather_json(domain)]
         self.dest = peers(all_domains)
         self.folder = snapshot_folder(self.directory, run, jax.process_index())
         self._discard = list(discard)  # folders of the run before, removed once this run has a snapshot
         self._thread: threading.Thread | None = None
-        self._spare: np.ndarray | None = None  # the last snapshot's buffer, reused once it is written
+        self._current: _Snapshot | None = None  # the snapshot being written
+        self.skipped = 0
         self.last_bytes = (0, 0)
+        self._premapped: tuple[int, np.ndarray] | None = None  # (inode, pages) of the file the next reuses
 
     def check_space(self, own_bytes: int) -> int:
         """Bytes the kept snapshots need here (own + peer, times ``keep``); ConfigError when the folder lacks them."""
@@ -221,36 +322,165 @@ class SnapshotWriter:
             )
         return need
 
-    def write(self, step: int, states: Any, data_state: Any = None) -> None:
-        """Packs this process's shards, sends a copy to the peer (a collective: every process calls it), writes both."""
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the snapshot still being written here (None when none is)."""
+        current = self._current
+        if current is None or (current.exchanged and (self._thread is None or not self._thread.is_alive())):
+            return None
+        return current.step
+
+    def busy(self) -> bool:
+        """Whether a snapshot is still being written on any process (a collective with several processes)."""
+        mine = self.in_flight is not None
+        return mine if jax.process_count() == 1 else any(gather_json(mine))
+
+    def write(self, step: int, states: Any, data_state: Any = None, *, skip_if_busy: bool = False) -> bool:
+        """Starts the snapshot of ``step`` (every process calls it at the same step) and returns.
+
+        With ``skip_if_busy`` a snapshot still in flight on any process makes this one skipped (False,
+        counted in ``skipped``); otherwise it is finished first.
+        """
+        if skip_if_busy and self.busy():
+            self.skipped += 1
+            return False
         self.wait()
-        spare, self._spare = self._spare, None
-        fingerprints = tree_fingerprints(storable(states)[0])
-        own = pack(step, own_shards(states), fingerprints, out=spare, data_state=data_state)
-        self._spare = own.base if own.base is not None and own.base is spare else own
-        peer = exchange(own, self.dest)
-        self.last_bytes = (int(own.size), int(peer.size))
-        self._thread = threading.Thread(target=self._write, args=(step, own, peer), daemon=True)
-        self._thread.start()
+        shards = own_shards(states)
+        pieces, size = layout(shards)
+        folder = self._reuse(step)
+        snapshot = _Snapshot(step, folder, pieces, size, [host_memory(d) for _, _, d, _ in shards], data_state)
+        if all(s is d for s, (_, _, d, _) in zip(snapshot.sources, shards, strict=True)):
+            # the shards are readable here (CPU devices): copied now, before the next step may donate them
+            copy_in(self._pages(folder / "own.bin", size), pieces, snapshot.sources)
+            snapshot.sources = None
+        snapshot.exchanged = jax.process_count() == 1  # one process is its own peer
+        self._current = snapshot
+        self.last_bytes = (size, self.last_bytes[1] if jax.process_count() > 1 else size)
+        self._start(self._seal, snapshot)
+        return True
+
+    def poll(self, step: int) -> None:
+        """Before the step after ``step``, on every process: the snapshot of ``step`` or an earlier one,
+        packed meanwhile, goes to the peer (its ``ppermute`` queued before that step)."""
+        current = self._current
+        if current is not None and not current.exchanged and step >= current.step:
+            self._exchange(current)
 
     def wait(self) -> None:
+        """Finishes the snapshot in flight (its peer copy included: every process calls it together)."""
+        current = self._current
+        if current is not None and not current.exchanged:
+            self._exchange(current)
+        self._join()
+        if current is not None and current.error is not None:
+            logger.warning("the snapshot of step %d could not be written: %s", current.step, current.error)
+            current.error = None
+
+    def close(self, *, remove: bool) -> None:
+        """Waits for the last write; ``remove`` frees this process's snapshots (a finished run needs none)."""
+        self.wait()
+        self._current, self._premapped = None, None
+        if remove:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _start(self, target: Any, *args: Any) -> None:
+        self._thread = threading.Thread(target=target, args=args, daemon=True)
+        self._thread.start()
+
+    def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
-    def _write(self, step: int, own: np.ndarray, peer: np.ndarray) -> None:
-        source = int(
-            json.loads(bytes(peer[HEADER : HEADER + int.from_bytes(bytes(peer[:HEADER]), "little")]))[
-                "process"
-            ]
-        )
-        final = self.folder / f"step-{step}"
+    def _reuse(self, step: int) -> Path:
+        """The folder the snapshot of ``step`` is written in: the oldest kept one's (its pages already
+        allocated) when ``keep`` are there, renamed ``.step-N.tmp``; a new one otherwise."""
         tmp = self.folder / f".step-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        own.tofile(tmp / "own.bin")
-        if source != jax.process_index():  # one process is its own peer: nothing more to keep
-            peer.tofile(tmp / f"peer-{source}.bin")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        leftovers = [p for p in self.folder.glob(".step-*.tmp") if p != tmp]  # of a write that died
+        steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
+        reused = leftovers[:1] or [self.folder / f"step-{s}" for s in steps[: max(len(steps) - self.keep + 1, 0)]][:1]
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        for extra in leftovers[1:]:
+            shutil.rmtree(extra, ignore_errors=True)
+        if reused:
+            reused[0].rename(tmp)
+        else:
+            tmp.mkdir()
+        (tmp / "own.bin").touch()
+        return tmp
+
+    def _pages(self, path: Path, size: int) -> np.ndarray:
+        """``path``'s first ``size`` bytes, mapped: by the last write's background thread when it is the
+        file that was to be reused (the step's path then only copies)."""
+        premapped, self._premapped = self._premapped, None
+        if premapped is not None and premapped[0] == path.stat().st_ino and premapped[1].size == size:
+            os.truncate(path, size)  # its old header goes; the mapping covers exactly what stays
+            return premapped[1]
+        return mapped(path, size)
+
+    def _premap(self, size: int) -> None:
+        """Maps the oldest kept snapshot's file, which the next write reuses, without changing it."""
+        steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
+        own = self.folder / f"step-{steps[0]}" / "own.bin" if len(steps) >= self.keep else None
+        if own is not None and own.exists() and own.stat().st_size >= size:
+            self._premapped = (own.stat().st_ino, mapped(own, size, resize=False))
+
+    def _seal(self, snapshot: _Snapshot) -> None:
+        """In the background: copies the shards (when they were not copied at the step), sums each piece,
+        writes the header; with one process, the snapshot is then complete."""
+        try:
+            own = snapshot.folder / "own.bin"
+            buf = mapped(own, snapshot.size)
+            if snapshot.sources is not None:
+                copy_in(buf, snapshot.pieces, snapshot.sources)  # waits for the copies to host memory
+                snapshot.sources = None
+            header = header_bytes(buf, snapshot.step, snapshot.pieces, snapshot.data_state)
+            buf[:HEADER] = np.frombuffer(snapshot.size.to_bytes(HEADER, "little"), np.uint8)
+            del buf
+            with open(own, "r+b") as f:
+                f.seek(snapshot.size)
+                f.write(header)
+                f.truncate(snapshot.size + len(header))
+            if snapshot.exchanged:
+                self._publish(snapshot, None)
+        except OSError as e:
+            snapshot.error = str(e)
+
+    def _exchange(self, snapshot: _Snapshot) -> None:
+        """Sends the packed own file to the peer (a collective, on the main thread) and writes what came
+        here in the background."""
+        self._join()  # the own file is packed
+        own = snapshot.folder / "own.bin"
+        buf = np.memmap(own, np.uint8, "r") if snapshot.error is None else np.zeros(HEADER, np.uint8)
+        sent = exchange(buf, self.dest)
+        snapshot.exchanged = True
+        self._start(self._receive, snapshot, sent)
+
+    def _receive(self, snapshot: _Snapshot, sent: Any) -> None:
+        try:
+            peer = received(sent)
+            self.last_bytes = (self.last_bytes[0], int(peer.size))
+            if snapshot.error is None:
+                self._publish(snapshot, peer)
+        except (OSError, ValueError) as e:  # a peer whose own copy failed sent no header
+            snapshot.error = f"the peer's copy: {e}"
+
+    def _publish(self, snapshot: _Snapshot, peer: np.ndarray | None) -> None:
+        """Writes the peer's copy (when another process's), renames the folder ``step-N``, drops older ones."""
+        tmp, final = snapshot.folder, self.folder / f"step-{snapshot.step}"
+        stale = set(tmp.glob("peer-*.bin"))
+        if peer is not None:
+            at = int.from_bytes(bytes(peer[:HEADER]), "little")
+            source = int(json.loads(bytes(peer[at:]))["process"])
+            if source != jax.process_index():
+                path = tmp / f"peer-{source}.bin"
+                stale.discard(path)
+                path.touch()
+                mapped(path, int(peer.size))[:] = peer
+        for path in stale:
+            path.unlink()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # complete, or not there
         steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
@@ -259,12 +489,7 @@ class SnapshotWriter:
         for old in self._discard:  # a restart's: the snapshots of the run before are superseded
             shutil.rmtree(old, ignore_errors=True)
         self._discard = []
-
-    def close(self, *, remove: bool) -> None:
-        """Waits for the last write; ``remove`` frees this process's snapshots (a finished run needs none)."""
-        self.wait()
-        if remove:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        self._premap(snapshot.size)
 
 
 def gather_json(value: Any) -> list[Any]:

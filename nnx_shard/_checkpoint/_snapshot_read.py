@@ -3,7 +3,8 @@
 Every process of the new run reads only its own folder of the previous run
 (its own shards, and the copy of one peer's). The processes agree on the
 newest step whose snapshots cover every process of the previous run, each
-unpacks the buffers it serves (CRC32 per piece), and every byte a new shard
+unpacks the buffers it serves (each piece checked against its share of the
+fingerprint), and every byte a new shard
 needs is sent once, straight from the process that holds it, through one JAX
 ``all_to_all`` over one device per process: no process ever holds a whole
 array. The placed state is checked against the snapshot's content
@@ -183,17 +184,19 @@ def restore_from_snapshots(
             "the snapshot of step %d does not read (%s): restoring from a checkpoint", step, problems
         )
         return None
-    first = next((h for h in headers if h["process"] == 0), None)
     shared = gather_json(
         {
             "pieces": [[me, path, json.loads(index)] for path, index in pieces],
+            "shares": [[p["path"], p["share"]] for h in headers for p in h["pieces"]],
             "data": {str(h["process"]): h.get("data_state") for h in headers},
-            "fingerprints": first["fingerprints"] if first is not None else None,
         }
     )
     catalogue = [p for s in shared for p in s["pieces"]]
     data = {int(k): v for s in shared for k, v in s["data"].items()}
-    wanted = next(s["fingerprints"] for s in shared if s["fingerprints"] is not None)
+    sums: dict[str, int] = {}  # each array's fingerprint: the shares of its pieces, every process's once
+    for path, share in (row for s in shared for row in s["shares"]):
+        sums[path] = (sums.get(path, 0) + share) % 2**32
+    wanted = {path: f"{total:08x}" for path, total in sums.items()}
     states, keys = storable(target)
     targets = {p: x for p, x in leaf_paths(states).items() if isinstance(x, jax.Array)}
     blocks = _exchange(catalogue, list(pieces.values()), targets)
@@ -208,7 +211,7 @@ def restore_from_snapshots(
         )
         return None
     restored = map_leaves(lambda path, v: placed.get(path.removesuffix("/value"), v), states)
-    if tree_fingerprints(restored) != {p: wanted[p] for p in placed}:
+    if tree_fingerprints(restored) != {p: wanted.get(p) for p in placed}:
         logger.warning(
             "the snapshot of step %d does not match its fingerprints: restoring from a checkpoint", step
         )

@@ -123,6 +123,8 @@ class TrainingLoop:
                 self.stop_reason = "data exhausted"
                 return
             batch = host.global_batch(host_batch)
+            if snapshots is not None:  # the last snapshot's copy goes to its peer before this step (processes)
+                snapshots.poll(host.step)
             # the counters after the step before: ready by the time this one is queued
             counters = host.guard
             if recovering:  # the first step of a restarted job: timed to the end, then reported

@@ -176,12 +176,24 @@ def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
 
 
 def snapshot(trainer: RecoveryHost, writer: SnapshotWriter, step: int, batches: _data.Batches | None) -> None:
-    """Writes the snapshot of ``step`` (a collective: every process at the same step) and logs it as an event.
+    """Starts the snapshot of ``step`` (a collective: every process at the same step) and logs it as an
+    event whose seconds are what the step waited; one due while the last is still written is skipped.
 
     The position of ``batches`` goes with it when they can resume.
     """
     began = time.perf_counter()
+    in_flight = writer.in_flight
     data = _data.encode_state(batches.state()) if batches is not None and batches.resumable else None
-    writer.write(step, trainer.hooks.states(), data)
-    own, peer = writer.last_bytes
-    trainer.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)
+    if writer.write(step, trainer.hooks.states(), data, skip_if_busy=True):
+        own, peer = writer.last_bytes
+        trainer.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)
+        return
+    log = logger.warning if writer.skipped == 1 else logger.info  # said once; the events count them all
+    log(
+        "the snapshot of step %d was skipped: the one of step %s is still being written (%d skipped in this "
+        "run); a larger snapshot_every leaves it time",
+        step,
+        in_flight if in_flight is not None else "before (on another process)",
+        writer.skipped,
+    )
+    trainer.observer.event("snapshot_skipped", time.perf_counter() - began, step, skipped=writer.skipped)

@@ -55,8 +55,7 @@ def test_a_flipped_byte_is_refused(multiprocess, tmp_path):
         )[0]
     ]
     buf = np.fromfile(folder / "process-0" / "step-9" / "own.bin", np.uint8)
-    size = int.from_bytes(bytes(buf[:HEADER]), "little")
-    buf[HEADER + size + 5] ^= 0xFF
+    buf[HEADER + 5] ^= 0xFF  # a byte of the first piece
     with pytest.raises(ValueError, match="differs from what was written"):
         unpack(buf)
 
@@ -74,15 +73,23 @@ def test_the_trainer_snapshots_every_n_steps_and_refuses_to_start_without_the_me
     from collections import namedtuple
 
     import nnx_shard as ns
+    from nnx_shard._checkpoint import storable, tree_fingerprints
     from tests.apps.trainer_app import RegressionTrainer, batch_for, config
 
     snap = tmp_path / "snap"
     cfg = {**config(str(tmp_path / "run"), total_steps=6), "snapshot_every": 2, "snapshot_dir": str(snap)}
     trainer = RegressionTrainer(cfg)
+    live = {}  # the state's fingerprints at each step, taken on the step's path (as a checkpoint would)
+    trainer.add_callback(lambda step, m, t: live.setdefault(step, tree_fingerprints(storable(t.states)[0])))
     trainer.train(batch_for, steps=5)
     assert sorted(p.name for p in (snap / "process-0").iterdir()) == ["step-2", "step-4"]
-    header, _ = unpack(np.fromfile(snap / "process-0" / "step-4" / "own.bin", np.uint8))
-    assert header["step"] == 4 and "model/l1/kernel" in header["fingerprints"]
+    header, pieces = unpack(np.fromfile(snap / "process-0" / "step-4" / "own.bin", np.uint8))
+    assert header["step"] == 4 and {p["path"] for p in header["pieces"]} == set(live[4])
+    # written while steps 5 and on ran, the snapshot is of the step it claims: its shares sum to step 4's
+    sums = {}
+    for p in header["pieces"]:
+        sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
+    assert {path: f"{v:08x}" for path, v in sums.items()} == live[4] != live[5]
     trainer.train(batch_for)  # to the end: a finished run frees the memory its snapshots held
     assert not (snap / "process-0").exists()
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

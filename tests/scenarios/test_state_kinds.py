@@ -253,6 +253,18 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
         changed_prints.add(fingerprints([jax.device_put(changed, layouts[1])])[0])
     assert len(prints) == 1 and len(changed_prints) == 1
     assert changed_prints.isdisjoint(prints)
+    # the shares of each layout's blocks, summed on the host where a snapshot writes them, give the same
+    assert {block_shares(jax.device_put(host, s)) for s in layouts} == prints
+
+
+def block_shares(x: jax.Array) -> str:
+    """The fingerprint of ``x`` as the sum of its distinct blocks' shares (``block_fingerprint``)."""
+    from nnx_shard._checkpoint._fingerprint import block_fingerprint
+
+    blocks = {
+        tuple(s.start or 0 for s in shard.index): np.asarray(shard.data) for shard in x.addressable_shards
+    }
+    return f"{sum(block_fingerprint(d, start, x.shape) for start, d in blocks.items()) % 2**32:08x}"
 
 
 @pytest.mark.parametrize(
@@ -280,7 +292,7 @@ def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatc
         monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
         monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
         got.add(_fingerprint.fingerprints([x])[0])
-    assert len(got) == 1
+    assert len(got) == 1 and got == {block_shares(x)}
     assert _fingerprint._in_place(x) == (shape not in [(48, 7), (8, 6, 5)])
 
 
@@ -307,3 +319,12 @@ def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
     monkeypatch.setattr(_fingerprint, "IN_PLACE", False)
     assert got == _fingerprint.fingerprints([*small, large])  # the same as the devices' programs
     assert _fingerprint._shard_program.cache_info().currsize == 3  # what these paths spare: 3 compiles
+
+
+def test_block_shares_of_scalars_and_key_data_add_up_to_the_fingerprint():
+    import jax.numpy as jnp
+
+    from nnx_shard._checkpoint._fingerprint import fingerprints
+
+    for x in (jnp.int32(7), jnp.float32(-0.5), jax.random.key_data(jax.random.split(jax.random.key(0), 3))):
+        assert block_shares(x) == fingerprints([x])[0], x
