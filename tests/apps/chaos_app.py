@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -233,6 +234,79 @@ def damage_trial(
     return {"trial": f"damage {kind} of {what}", **_outcome(restart, reference, True)}
 
 
+# -- lost processes under nnx-shard launch: 2 or 3 processes of 2 devices, elastic data, snapshots every 2 --
+
+LAUNCH_FAULTS = ("step", "snapshot", "save", "restart")  # where a process dies (tests/apps/launch_app.py)
+LAUNCH_STEPS = 8
+
+
+def launch_reference(tmp: Path) -> dict:
+    """The uninterrupted job on one process: its final kernel and the examples of each step."""
+    from tests.apps.launch_app import run_job, seen
+
+    workdir = tmp / "launch-reference"
+    done = run_job(workdir, 1, 2, "", steps=LAUNCH_STEPS, extra=_LAUNCH_OPTIONS, timeout=240)
+    if done.returncode != 0:
+        raise RuntimeError(f"the reference job failed: {done.stderr[-2000:]}")
+    result = json.loads((workdir / "result-0.json").read_text())
+    return {"kernel": result["kernel"], "seen": seen(workdir, 0, range(1, LAUNCH_STEPS + 1))}
+
+
+_LAUNCH_OPTIONS = ("--data", "elastic", "--save-every", "4", "--snapshot-every", "2")
+
+
+def launch_trial(tmp: Path, fault: str, seed: int, reference: dict) -> dict:
+    """A job of 2 processes (3 when a second one dies in the restart) losing one at a seeded step; judged
+    on its final kernel and on the examples each step saw, against the uninterrupted job."""
+    import numpy as np
+
+    from tests.apps.launch_app import job_events, run_job, seen
+
+    rng = random.Random(seed)
+    processes = 3 if fault == "restart" else 2
+    who, at = rng.randrange(processes), rng.randint(2, LAUNCH_STEPS - 1)
+    if fault == "snapshot":
+        at = 2 * rng.randint(1, (LAUNCH_STEPS - 1) // 2)  # a step that takes one
+    if fault == "save":
+        at = 4
+    workdir = tmp / f"launch-{fault}-{seed}"
+    extra = (*_LAUNCH_OPTIONS, "--fault", fault)
+    trial = {"trial": f"lost process {who} of {processes}, {fault} {at} (seed {seed})"}
+    import subprocess
+
+    try:
+        done = run_job(workdir, processes, 2, f"{who}:{at}", steps=LAUNCH_STEPS, extra=extra, restarts=2, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {**trial, "outcome": "hang", "stderr_lines": 0, "last": "", "error": None, "restored": None}
+    err = done.stderr.strip().splitlines()
+    final = sorted(workdir.glob("result-*.json"))
+    out = {"stderr_lines": len(err), "last": err[-1][-300:] if err else "", "error": None, "restored": None}
+    if done.returncode != 0 or not final:
+        named = any("nnx_shard.errors." in line or "Error:" in line and "nnx_shard" in line for line in err[-5:])
+        return {**trial, **out, "outcome": "named_error" if named else "unnamed_error", "error": out["last"]}
+    result = json.loads(final[-1].read_text())
+    runs = int(result["restart"])
+    # each step's examples, from the run whose state went on: the last run after the final restore point,
+    # and before it the latest earlier run that reached the step
+    recovered = job_events(workdir, "recovered")
+    kept = int(result["restored_step"] or 0)
+    got = seen(workdir, runs, range(kept + 1, LAUNCH_STEPS + 1))
+    earlier = [seen(workdir, run, range(1, kept + 1)) for run in range(runs)]
+    for step in range(1, kept + 1):
+        got[step] = next((ids[step] for ids in reversed(earlier) if ids[step]), [])
+    close = np.allclose(result["kernel"], reference["kernel"], rtol=1e-4, atol=1e-6)
+    phases = ("detection_s", "relaunch_s", "read_reshard_s", "compile_s", "first_step_s")
+    return {
+        **trial,
+        **out,
+        "outcome": "recovered" if close and got == reference["seen"] and runs >= 1 else "wrong",
+        "restored": result["restored_step"],
+        "source": result["restored_from"],
+        "restarts": runs,
+        "death_to_first_step_s": [round(sum(r[p] or 0.0 for p in phases), 3) for r in recovered],
+    }
+
+
 def _outcome(restart: dict, reference: str, had_usable: bool) -> dict:
     return {
         "outcome": judge(restart, reference, had_usable),
@@ -243,8 +317,11 @@ def _outcome(restart: dict, reference: str, had_usable: bool) -> dict:
     }
 
 
-def campaign(tmp: Path, *, trials: int | None = None, seed: int = 0) -> tuple[list[dict], dict]:
-    """Every kill point and damage kind once (``trials`` None), or ``trials`` seeded draws of them."""
+def campaign(
+    tmp: Path, *, trials: int | None = None, seed: int = 0, launch: int = 0
+) -> tuple[list[dict], dict]:
+    """Every kill point and damage kind once (``trials`` None), or ``trials`` seeded draws of them, of which
+    ``launch`` are lost processes under ``nnx-shard launch`` (each fault kind in turn, a seeded process and step)."""
     tmp.mkdir(parents=True, exist_ok=True)
     finished = tmp / "reference"
     ref = _worker(finished, "none", 0)
@@ -254,14 +331,18 @@ def campaign(tmp: Path, *, trials: int | None = None, seed: int = 0) -> tuple[li
     rng = random.Random(seed)
     plan = [("kill", p, 0) for p in KILL_POINTS[1:]] + [("damage", k, 0) for k in DAMAGE]
     plan.append(("damage_all", "truncate_data", 0))
+    plan += [("launch", LAUNCH_FAULTS[k % len(LAUNCH_FAULTS)], rng.randrange(10**6)) for k in range(launch)]
     if trials is not None:
         kinds = ["kill", "damage", "damage", "damage_all"]
         plan = plan + [
             (rng.choice(kinds), None, rng.randrange(10**6)) for _ in range(max(0, trials - len(plan)))
         ]
+    launched = launch_reference(tmp) if launch else None
     results = []
     for what, name, s in plan:
-        if what == "kill":
+        if what == "launch":
+            results.append(launch_trial(tmp, name, s, launched))
+        elif what == "kill":
             results.append(kill_trial(tmp, name or rng.choice(KILL_POINTS[1:]), s, reference))
         else:
             kind = name or rng.choice(sorted(DAMAGE))
@@ -273,8 +354,15 @@ def campaign(tmp: Path, *, trials: int | None = None, seed: int = 0) -> tuple[li
         "unnamed_errors": sum(r["outcome"] == "unnamed_error" for r in results),
         "wrong_values": sum(r["outcome"] == "wrong" for r in results),
         "hangs": sum(r["outcome"] == "hang" for r in results),
-        "max_stderr_lines": max(r["stderr_lines"] for r in results),
+        "max_stderr_lines": max(r["stderr_lines"] for r in results if not r["trial"].startswith("lost")),
     }
+    # the anchors' count: recovered over faults injected (a step damaged on every copy cannot be recovered:
+    # its named error is the right outcome, and it counts against the rate here as there)
+    counts["recovery_rate"] = round(counts["recovered_bitwise"] / len(results), 3)
+    deaths = [t for r in results for t in r.get("death_to_first_step_s", [])]
+    if deaths:
+        counts["lost_processes"] = sum(r["trial"].startswith("lost") for r in results)
+        counts["median_death_to_first_step_s"] = round(statistics.median(deaths), 3)
     return results, counts
 
 

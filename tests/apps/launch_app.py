@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,10 +43,11 @@ def run_job(
     steps: int = 8,
     timeout: float = 240,
     extra: tuple[str, ...] = (),
+    restarts: int = 1,
 ) -> subprocess.CompletedProcess:
-    """This app under ``nnx-shard launch`` (one restart, 1 s grace), process:step ``kill`` killing itself;
-    ``extra``: more of the app's options (``--snapshot-every``, ``--flip``)."""
-    launcher = [sys.executable, "-m", "nnx_shard", "launch", "--grace", "1", "--max-restarts", "1"]
+    """This app under ``nnx-shard launch`` (``restarts`` restarts, 1 s grace), process:step ``kill`` killing
+    itself; ``extra``: more of the app's options (``--snapshot-every``, ``--flip``, ``--fault``)."""
+    launcher = [sys.executable, "-m", "nnx_shard", "launch", "--grace", "1", "--max-restarts", str(restarts)]
     sizes = ["--processes", str(processes), "--devices-per-process", str(devices)]
     app = [sys.executable, __file__, str(workdir), "--kill", kill, "--steps", str(steps), *extra]
     return subprocess.run(
@@ -111,6 +113,51 @@ def recovered_event(workdir: Path) -> dict:
     return recovered
 
 
+FAULTS = ("step", "snapshot", "save", "restart")
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(trainer, fault: str, at: int) -> None:
+    """This process dies (SIGKILL): after step ``at`` (``step``; also ``restart``'s first death), while
+    writing the snapshot of step ``at`` (``snapshot``), inside the save of step ``at`` (``save``), or, with
+    ``at`` 0, as it restores after a restart (``restart``)."""
+    from nnx_shard._checkpoint import _checkpointer, _snapshot
+    from nnx_shard._trainer import _trainer
+
+    if fault in ("step", "restart") and at > 0:
+        trainer.add_callback(lambda step, metrics, t: _die() if step == at else None)
+    elif fault == "snapshot":
+        seal = _snapshot.SnapshotWriter._seal
+
+        def sealing(self, snapshot):
+            if snapshot.step == at:
+                _die()  # in the background thread, the snapshot's file half written
+            return seal(self, snapshot)
+
+        _snapshot.SnapshotWriter._seal = sealing
+    elif fault == "save":
+        save = _checkpointer.Checkpointer.save
+
+        def saving(self, step, *a, **k):
+            if step == at:
+                threading.Timer(0.02, _die).start()  # inside Orbax's write
+            return save(self, step, *a, **k)
+
+        _checkpointer.Checkpointer.save = saving
+    elif fault == "restart":
+        resume = _trainer.resume_auto
+
+        def resuming(host):
+            threading.Timer(0.05, _die).start()  # while the restore runs
+            return resume(host)
+
+        _trainer.resume_auto = resuming
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir")
@@ -127,6 +174,7 @@ def main() -> None:
     ap.add_argument("--snapshot-every", type=int, default=0)
     ap.add_argument("--flip", action="store_true", help="on a restart, flip a byte of each snapshot file")
     ap.add_argument("--data", choices=("callable", "elastic", "per-process"), default="callable")
+    ap.add_argument("--fault", choices=FAULTS, default="step", help="where --kill strikes (see arm)")
     args = ap.parse_args()
     restart = info.restart if info is not None else 0
     RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")
@@ -146,18 +194,16 @@ def main() -> None:
     )
     if args.kill and restart == 0:
         who, at = (int(x) for x in args.kill.split(":"))
-
-        def kill(step, metrics, t):
-            if step == at and jax.process_index() == who:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        trainer.add_callback(kill)
+        if jax.process_index() == who:
+            arm(trainer, args.fault, at)
+    if args.fault == "restart" and restart == 1 and jax.process_index() == 1:
+        arm(trainer, "restart", 0)  # a second death, while the survivors restore
     if args.flip and restart > 0:  # memory gone bad on a survivor: every snapshot it holds has a flipped byte
         for f in Path(args.workdir, "snapshots").glob(
             f"run-{restart - 1}/process-{info.previous_id}/*/*.bin"
         ):
             data = bytearray(f.read_bytes())
-            data[-1] ^= 0xFF
+            data[8] ^= 0xFF  # the first byte of the first piece (after the 8 bytes saying where the header is)
             f.write_bytes(bytes(data))
     if args.hang_at >= 0:
         trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)

@@ -137,16 +137,40 @@ def test_losing_process_0_of_3_restarts_on_2_from_snapshots_without_a_checkpoint
     np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
 
 
+_NUMBERED: dict[int, tuple[dict[int, float], dict[int, list], list[float]]] = {}
+
+
 def uninterrupted_on_numbered_data(tmp_path: Path, steps: int = 8) -> tuple[dict[int, float], dict[int, list]]:
     """The losses and the example numbers of each step of a run on the numbered data without a death."""
-    RecordingTrainer.path = tmp_path / "seen-reference.jsonl"
-    try:
-        reference = RecordingTrainer({**config(str(tmp_path / "ref-data"), total_steps=steps), "save_every": 2})
-        history = {int(h["step"]): h["loss"] for h in reference.train(numbered_data("elastic"))}
-    finally:
-        RecordingTrainer.path = None
-    fed = [json.loads(line) for line in (tmp_path / "seen-reference.jsonl").read_text().splitlines()]
-    return history, {r["step"]: sorted(r["ids"]) for r in fed}
+    return numbered_reference(tmp_path, steps)[:2]
+
+
+def numbered_reference(tmp_path: Path, steps: int = 8) -> tuple[dict[int, float], dict[int, list], list[float]]:
+    """The uninterrupted run on the numbered data (once): losses, examples of each step, final out kernel."""
+    if steps not in _NUMBERED:
+        RecordingTrainer.path = tmp_path / "seen-reference.jsonl"
+        try:
+            reference = RecordingTrainer({**config(str(tmp_path / "ref-data"), total_steps=steps), "save_every": 2})
+            history = {int(h["step"]): h["loss"] for h in reference.train(numbered_data("elastic"))}
+        finally:
+            RecordingTrainer.path = None
+        fed = [json.loads(line) for line in (tmp_path / "seen-reference.jsonl").read_text().splitlines()]
+        kernel = np.asarray(reference.states["model"]["out"]["kernel"].get_value()).ravel().tolist()
+        _NUMBERED[steps] = (history, {r["step"]: sorted(r["ids"]) for r in fed}, kernel)
+    return _NUMBERED[steps]
+
+
+@pytest.mark.parametrize("fault", ["snapshot", "save", "restart"])
+def test_a_process_lost_in_a_snapshot_a_save_or_the_restart_recovers_with_each_example_once(tmp_path, fault):
+    # the chaos campaign's trial: a process dies while its snapshot is written, inside a save, or (a second
+    # death) while the survivors restore; the job must end as the uninterrupted run did, examples included
+    from tests.apps.chaos_app import launch_trial
+
+    _, expected, kernel = numbered_reference(tmp_path)
+    result = launch_trial(tmp_path, fault, seed=3, reference={"kernel": kernel, "seen": expected})
+    assert result["outcome"] == "recovered", result
+    assert result["restarts"] == (2 if fault == "restart" else 1), result
+    assert all(0 < s < 120 for s in result["death_to_first_step_s"]), result
 
 
 @pytest.mark.parametrize(
