@@ -32,7 +32,7 @@ simulate_devices(8)
 import jax  # noqa: E402
 from bench_step import quiet_trainer  # noqa: E402
 
-from nnx_shard._checkpoint._snapshot import SnapshotWriter, snapshot_own_bytes  # noqa: E402
+from nnx_shard._checkpoint import SnapshotWriter, snapshot_own_bytes  # noqa: E402
 
 
 def build(width, depth, rows, every):

@@ -9,12 +9,8 @@ from nnx_shard._checkpoint._format import (
 )
 from nnx_shard._checkpoint._plain import plain_source
 from nnx_shard._checkpoint._restore import RestoreOptions, RestoreReport, restore_onto
-from nnx_shard._checkpoint._snapshot import (
-    SnapshotWriter,
-    default_snapshot_dir,
-    snapshot_folder,
-    snapshot_own_bytes,
-)
+from nnx_shard._checkpoint._snapshot import SnapshotWriter, default_snapshot_dir, snapshot_folder
+from nnx_shard._checkpoint._snapshot_file import snapshot_own_bytes
 from nnx_shard._checkpoint._snapshot_read import Restored, restore_from_snapshots
 from nnx_shard._checkpoint._workdir import WorkdirLock
 

@@ -20,10 +20,9 @@ step never waits on a copy. Each piece carries its share of the array's
 content fingerprint, summed from the bytes written: the pieces of one array
 add up to the fingerprint of the step the snapshot claims.
 
-A snapshot file is ``[8 bytes: where the header starts][the shards][the JSON header]``;
-its folder is written as ``.step-N.tmp`` and renamed (complete, or not there),
-reusing the pages of the oldest kept snapshot. Restoring from them on the
-survivors is in ``_snapshot_read``.
+A snapshot's folder is written as ``.step-N.tmp`` and renamed (complete, or
+not there), reusing the pages of the oldest kept snapshot. The file's layout is
+in ``_snapshot_file``; restoring from them on the survivors in ``_snapshot_read``.
 """
 
 from __future__ import annotations
@@ -31,32 +30,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import mmap
 import os
 import shutil
 import socket
 import tempfile
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._checkpoint._fingerprint import block_fingerprint
-from nnx_shard._checkpoint._format import leaf_paths, storable
+from nnx_shard._checkpoint._snapshot_file import (
+    HEADER,
+    copy_in,
+    header_bytes,
+    host_memory,
+    layout,
+    mapped,
+    own_shards,
+)
 from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
 DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
-HEADER = 8  # bytes saying where the JSON header starts; the shards follow them
-ALIGN = 64  # each piece starts at a multiple of this (after HEADER)
-Shard = tuple[str, list[list[int]], Any, tuple[int, ...]]  # path, [[start, stop], ...], data, global shape
 
 
 def default_snapshot_dir(job: str) -> Path:
@@ -69,109 +69,6 @@ def snapshot_folder(directory: Path, run: int | None, process: int) -> Path:
     """A process's own folder: ``process-<id>``, under ``run-<restart>`` in a job of ``nnx-shard launch``
     (ids are renumbered on a restart, so each run has its own folders)."""
     return (directory if run is None else directory / f"run-{run}") / f"process-{process}"
-
-
-def own_shards(states: Any) -> list[Shard]:
-    """``(path, [[start, stop], ...], data, global shape)`` of every shard this process owns (replica 0);
-    ``data`` is the shard's single-device ``jax.Array``."""
-    out = []
-    for path, value in leaf_paths(storable(states)[0]).items():
-        if not isinstance(value, jax.Array):
-            continue
-        for shard in value.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            index = [
-                [s.start or 0, dim if s.stop is None else s.stop]
-                for s, dim in zip(shard.index, value.shape, strict=True)
-            ]
-            out.append((path, index, shard.data, tuple(value.shape)))
-    return out
-
-
-def snapshot_own_bytes(states: Any) -> int:
-    """Bytes of the shards this process owns (replica 0 of its addressable shards): one snapshot's arrays."""
-    leaves = [x for x in jax.tree.leaves(states) if isinstance(x, jax.Array)]
-    return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
-
-
-def layout(shards: Sequence[Shard]) -> tuple[list[dict[str, Any]], int]:
-    """Each piece's place in a snapshot file, and where the header starts (``HEADER`` + the shards' bytes)."""
-    pieces, offset = [], 0
-    for path, index, data, shape in shards:
-        nbytes = int(data.nbytes)
-        pieces.append(
-            {
-                "path": path,
-                "index": index,
-                "shape": list(shape),
-                "dtype": data.dtype.name,
-                "offset": offset,
-                "nbytes": nbytes,
-            }
-        )
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return pieces, HEADER + offset
-
-
-def _piece(buf: np.ndarray, p: dict[str, Any]) -> np.ndarray:
-    raw = buf[HEADER + p["offset"] : HEADER + p["offset"] + p["nbytes"]]
-    return raw.view(jnp.dtype(p["dtype"])).reshape([b - a for a, b in p["index"]])
-
-
-def copy_in(buf: np.ndarray, pieces: Sequence[dict[str, Any]], sources: Sequence[Any]) -> None:
-    """Copies each shard (a ``jax.Array`` in host-readable memory, or NumPy) to its place in ``buf``, in one
-    thread per core (NumPy lets go of the GIL while it copies)."""
-
-    def copy(k: int) -> None:
-        p = pieces[k]
-        raw = np.asarray(sources[k]).reshape(-1).view(np.uint8)
-        buf[HEADER + p["offset"] : HEADER + p["offset"] + p["nbytes"]] = raw
-
-    _in_threads(copy, [p["nbytes"] for p in pieces])
-
-
-def _in_threads(work: Any, sizes: Sequence[int]) -> None:
-    """Runs ``work(k)`` for every ``k``, in one thread per core, each given about equal bytes."""
-    workers = min(os.cpu_count() or 1, len(sizes))
-    if workers <= 1 or sum(sizes) < 2**22:
-        for k in range(len(sizes)):
-            work(k)
-        return
-    shares: list[list[int]] = [[] for _ in range(workers)]
-    load = [0] * workers
-    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
-        w = load.index(min(load))
-        shares[w].append(k)
-        load[w] += sizes[k]
-    with ThreadPoolExecutor(workers) as pool:
-        for done in [pool.submit(lambda ks: [work(k) for k in ks], share) for share in shares]:
-            done.result()
-
-
-def header_bytes(
-    buf: np.ndarray, step: int, pieces: list[dict[str, Any]], data_state: Any = None
-) -> bytes:
-    """The JSON header of a snapshot whose shards are in ``buf``: its step, process, pieces (each with its
-    ``share`` of its array's fingerprint, summed from the bytes in ``buf``) and this process's data state."""
-    for p in pieces:  # in one thread: it runs beside the steps, which have the cores
-        p["share"] = block_fingerprint(_piece(buf, p), [a for a, _ in p["index"]], p["shape"])
-    header = {"step": step, "process": jax.process_index(), "pieces": pieces, "data_state": data_state}
-    return json.dumps(header).encode()
-
-
-def unpack(buf: np.ndarray) -> tuple[dict[str, Any], dict[tuple[str, str], np.ndarray]]:
-    """The header and ``{(path, index as JSON): shard}``; a piece whose fingerprint share differs from the
-    one written raises ValueError."""
-    at = int.from_bytes(bytes(buf[:HEADER]), "little")
-    header = json.loads(bytes(buf[at:]))
-    out = {}
-    for p in header["pieces"]:
-        piece = _piece(buf, p)
-        if block_fingerprint(piece, [a for a, _ in p["index"]], p["shape"]) != p["share"]:
-            raise ValueError(f"snapshot piece {p['path']} {p['index']} differs from what was written")
-        out[(p["path"], json.dumps(p["index"]))] = piece
-    return header, out
 
 
 def peers(domains: Sequence[str]) -> list[int]:
@@ -233,32 +130,6 @@ def received(sent: Any) -> np.ndarray:
     if isinstance(moved, np.ndarray):
         return moved[:length]
     return np.asarray(moved.addressable_shards[0].data)[0, :length]
-
-
-def host_memory(data: jax.Array) -> Any:
-    """An asynchronous copy of a single-device array into its device's ``pinned_host`` memory, or the
-    array itself on a CPU device (its memory is the host's) or a device without host memory kinds."""
-    device = next(iter(data.devices()))
-    if device.platform == "cpu":
-        return data
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
-        kinds = set()
-    if "pinned_host" not in kinds:
-        return data
-    return jax.device_put(data, SingleDeviceSharding(device, memory_kind="pinned_host"))
-
-
-def mapped(path: Path, size: int, *, resize: bool = True) -> np.ndarray:
-    """The first ``size`` bytes of the file at ``path`` (made that long, unless ``resize`` is False) as a
-    writable array over its pages, mapped with their page tables filled at once: touching 64 MiB of
-    pages one by one costs more than copying them."""
-    with open(path, "r+b") as f:
-        if resize:
-            f.truncate(size)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return np.frombuffer(mmap.mmap(f.fileno(), size, flags=flags), np.uint8)  # unmapped with the array
 
 
 @dataclasses.dataclass
@@ -348,7 +219,9 @@ class SnapshotWriter:
         shards = own_shards(states)
         pieces, size = layout(shards)
         folder = self._reuse(step)
-        snapshot = _Snapshot(step, folder, pieces, size, [host_memory(d) for _, _, d, _ in shards], data_state)
+        snapshot = _Snapshot(
+            step, folder, pieces, size, [host_memory(d) for _, _, d, _ in shards], data_state
+        )
         if all(s is d for s, (_, _, d, _) in zip(snapshot.sources, shards, strict=True)):
             # the shards are readable here (CPU devices): copied now, before the next step may donate them
             copy_in(self._pages(folder / "own.bin", size), pieces, snapshot.sources)
@@ -399,7 +272,10 @@ class SnapshotWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         leftovers = [p for p in self.folder.glob(".step-*.tmp") if p != tmp]  # of a write that died
         steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
-        reused = leftovers[:1] or [self.folder / f"step-{s}" for s in steps[: max(len(steps) - self.keep + 1, 0)]][:1]
+        reused = (
+            leftovers[:1]
+            or [self.folder / f"step-{s}" for s in steps[: max(len(steps) - self.keep + 1, 0)]][:1]
+        )
         if tmp.exists():
             shutil.rmtree(tmp)
         for extra in leftovers[1:]:

@@ -28,7 +28,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._checkpoint._format import leaf_paths, map_leaves, storable, tree_fingerprints
-from nnx_shard._checkpoint._snapshot import gather_json, process_mesh, unpack
+from nnx_shard._checkpoint._snapshot import gather_json, process_mesh
+from nnx_shard._checkpoint._snapshot_file import unpack
 
 logger = logging.getLogger("nnx_shard")
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension

@@ -123,7 +123,9 @@ class TrainingLoop:
                 self.stop_reason = "data exhausted"
                 return
             batch = host.global_batch(host_batch)
-            if snapshots is not None:  # the last snapshot's copy goes to its peer before this step (processes)
+            if (
+                snapshots is not None
+            ):  # the last snapshot's copy goes to its peer before this step (processes)
                 snapshots.poll(host.step)
             # the counters after the step before: ready by the time this one is queued
             counters = host.guard
@@ -195,7 +197,9 @@ class TrainingLoop:
         wall = time.perf_counter() - start
         # this call's time outside steps: its compiles, saves, snapshots, evals (the ``recovered`` event is
         # the first step, its compile already counted; what happened before the call is not this call's)
-        overhead = sum(v - spent.get(k, 0.0) for k, v in host.timings.items() if k not in ("train", "recovered"))
+        overhead = sum(
+            v - spent.get(k, 0.0) for k, v in host.timings.items() if k not in ("train", "recovered")
+        )
         last = int(history[-1]["step"]) if history else host.step
         fields = {"last_step": last, "stop_reason": self.stop_reason, "goodput": _share(overhead, wall)}
         if self._recovered and (failed := failed_at()) is not None:  # the restart's cost, from the death on

@@ -275,14 +275,16 @@ def launch_trial(tmp: Path, fault: str, seed: int, reference: dict) -> dict:
     import subprocess
 
     try:
-        done = run_job(workdir, processes, 2, f"{who}:{at}", steps=LAUNCH_STEPS, extra=extra, restarts=2, timeout=300)
+        done = run_job(
+            workdir, processes, 2, f"{who}:{at}", steps=LAUNCH_STEPS, extra=extra, restarts=2, timeout=300
+        )
     except subprocess.TimeoutExpired:
         return {**trial, "outcome": "hang", "stderr_lines": 0, "last": "", "error": None, "restored": None}
     err = done.stderr.strip().splitlines()
     final = sorted(workdir.glob("result-*.json"))
     out = {"stderr_lines": len(err), "last": err[-1][-300:] if err else "", "error": None, "restored": None}
     if done.returncode != 0 or not final:
-        named = any("nnx_shard.errors." in line or "Error:" in line and "nnx_shard" in line for line in err[-5:])
+        named = any("nnx_shard.errors." in line for line in err[-5:])
         return {**trial, **out, "outcome": "named_error" if named else "unnamed_error", "error": out["last"]}
     result = json.loads(final[-1].read_text())
     runs = int(result["restart"])

@@ -203,7 +203,9 @@ def main() -> None:
             f"run-{restart - 1}/process-{info.previous_id}/*/*.bin"
         ):
             data = bytearray(f.read_bytes())
-            data[8] ^= 0xFF  # the first byte of the first piece (after the 8 bytes saying where the header is)
+            data[8] ^= (
+                0xFF  # the first byte of the first piece (after the 8 bytes saying where the header is)
+            )
             f.write_bytes(bytes(data))
     if args.hang_at >= 0:
         trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)

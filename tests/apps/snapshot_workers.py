@@ -14,7 +14,7 @@ def write(folder: str, domain: str = "") -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint._snapshot import SnapshotWriter, snapshot_own_bytes
+    from nnx_shard._checkpoint import SnapshotWriter, snapshot_own_bytes
 
     if domain:
         os.environ["NNX_SHARD_FAILURE_DOMAIN"] = f"{domain}{jax.process_index() // 2}"

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from nnx_shard._checkpoint._snapshot import HEADER, peers, unpack
+from nnx_shard._checkpoint._snapshot import peers
+from nnx_shard._checkpoint._snapshot_file import HEADER, unpack
 
 
 def assemble(pieces: dict, shapes: dict) -> dict[str, np.ndarray]:
@@ -83,7 +84,7 @@ def test_the_trainer_snapshots_every_n_steps_and_refuses_to_start_without_the_me
     trainer.add_callback(lambda step, m, t: live.setdefault(step, tree_fingerprints(storable(t.states)[0])))
     trainer.train(batch_for, steps=5)
     assert sorted(p.name for p in (snap / "process-0").iterdir()) == ["step-2", "step-4"]
-    header, pieces = unpack(np.fromfile(snap / "process-0" / "step-4" / "own.bin", np.uint8))
+    header, _ = unpack(np.fromfile(snap / "process-0" / "step-4" / "own.bin", np.uint8))
     assert header["step"] == 4 and {p["path"] for p in header["pieces"]} == set(live[4])
     # written while steps 5 and on ran, the snapshot is of the step it claims: its shares sum to step 4's
     sums = {}

@@ -95,7 +95,9 @@ def test_kill_9_restarts_on_the_survivor_from_snapshots_and_matches_an_uninterru
     assert 0 < train["goodput_since_failure"] < train["goodput"] <= 1, train
     assert train["recovery_s"] == pytest.approx(before, abs=0.5), (train, recovered)
     assert train["goodput_since_failure"] == pytest.approx(
-        1 - (train["recovery_s"] + (1 - train["goodput"]) * train["seconds"]) / (train["recovery_s"] + train["seconds"]),
+        1
+        - (train["recovery_s"] + (1 - train["goodput"]) * train["seconds"])
+        / (train["recovery_s"] + train["seconds"]),
         abs=0.01,
     )
     history, kernel = uninterrupted(tmp_path)
@@ -140,17 +142,23 @@ def test_losing_process_0_of_3_restarts_on_2_from_snapshots_without_a_checkpoint
 _NUMBERED: dict[int, tuple[dict[int, float], dict[int, list], list[float]]] = {}
 
 
-def uninterrupted_on_numbered_data(tmp_path: Path, steps: int = 8) -> tuple[dict[int, float], dict[int, list]]:
+def uninterrupted_on_numbered_data(
+    tmp_path: Path, steps: int = 8
+) -> tuple[dict[int, float], dict[int, list]]:
     """The losses and the example numbers of each step of a run on the numbered data without a death."""
     return numbered_reference(tmp_path, steps)[:2]
 
 
-def numbered_reference(tmp_path: Path, steps: int = 8) -> tuple[dict[int, float], dict[int, list], list[float]]:
+def numbered_reference(
+    tmp_path: Path, steps: int = 8
+) -> tuple[dict[int, float], dict[int, list], list[float]]:
     """The uninterrupted run on the numbered data (once): losses, examples of each step, final out kernel."""
     if steps not in _NUMBERED:
         RecordingTrainer.path = tmp_path / "seen-reference.jsonl"
         try:
-            reference = RecordingTrainer({**config(str(tmp_path / "ref-data"), total_steps=steps), "save_every": 2})
+            reference = RecordingTrainer(
+                {**config(str(tmp_path / "ref-data"), total_steps=steps), "save_every": 2}
+            )
             history = {int(h["step"]): h["loss"] for h in reference.train(numbered_data("elastic"))}
         finally:
             RecordingTrainer.path = None
@@ -191,7 +199,9 @@ def test_a_restart_on_fewer_processes_reads_each_example_once_from_where_the_run
     # the steps kept from the first run, then the restart's: each the examples of the uninterrupted run's step
     got = {**seen(workdir, 0, range(1, restored + 1)), **seen(workdir, 1, range(restored + 1, 9))}
     assert got == expected
-    assert expected == {s: list(range((s - 1) * ROWS, s * ROWS)) for s in range(1, 9)}  # none twice, none skipped
+    assert expected == {
+        s: list(range((s - 1) * ROWS, s * ROWS)) for s in range(1, 9)
+    }  # none twice, none skipped
     np.testing.assert_allclose(
         [result["losses"][str(s)] for s in range(restored + 1, 9)],
         [history[s] for s in range(restored + 1, 9)],

@@ -84,9 +84,10 @@ def test_the_readme_fits_on_two_screens_and_every_link_of_it_and_the_site_resolv
     broken = []
     for path in pages:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
-            generated = target.startswith("_generated/") and (
-                docs_generator.GENERATED / target.removeprefix("_generated/")
-            ).exists()
+            generated = (
+                target.startswith("_generated/")
+                and (docs_generator.GENERATED / target.removeprefix("_generated/")).exists()
+            )
             if "://" not in target and not generated and not (path.parent / target).exists():
                 broken.append(f"{path.relative_to(ROOT)} -> {target}")
     assert not broken, broken

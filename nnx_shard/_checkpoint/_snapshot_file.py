@@ -1,0 +1,151 @@
+"""A snapshot file: ``[8 bytes: where the header starts][the shards][the JSON header]``, each shard's
+bytes copied in, each piece's share of its array's fingerprint, and reading it back."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from nnx_shard._checkpoint._fingerprint import block_fingerprint
+from nnx_shard._checkpoint._format import leaf_paths, storable
+
+HEADER = 8  # bytes saying where the JSON header starts; the shards follow them
+ALIGN = 64  # each piece starts at a multiple of this (after HEADER)
+Shard = tuple[str, list[list[int]], Any, tuple[int, ...]]  # path, [[start, stop], ...], data, global shape
+
+
+def own_shards(states: Any) -> list[Shard]:
+    """``(path, [[start, stop], ...], data, global shape)`` of every shard this process owns (replica 0);
+    ``data`` is the shard's single-device ``jax.Array``."""
+    out = []
+    for path, value in leaf_paths(storable(states)[0]).items():
+        if not isinstance(value, jax.Array):
+            continue
+        for shard in value.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            index = [
+                [s.start or 0, dim if s.stop is None else s.stop]
+                for s, dim in zip(shard.index, value.shape, strict=True)
+            ]
+            out.append((path, index, shard.data, tuple(value.shape)))
+    return out
+
+
+def snapshot_own_bytes(states: Any) -> int:
+    """Bytes of the shards this process owns (replica 0 of its addressable shards): one snapshot's arrays."""
+    leaves = [x for x in jax.tree.leaves(states) if isinstance(x, jax.Array)]
+    return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.replica_id == 0)
+
+
+def layout(shards: Sequence[Shard]) -> tuple[list[dict[str, Any]], int]:
+    """Each piece's place in a snapshot file, and where the header starts (``HEADER`` + the shards' bytes)."""
+    pieces, offset = [], 0
+    for path, index, data, shape in shards:
+        nbytes = int(data.nbytes)
+        pieces.append(
+            {
+                "path": path,
+                "index": index,
+                "shape": list(shape),
+                "dtype": data.dtype.name,
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return pieces, HEADER + offset
+
+
+def _piece(buf: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+    raw = buf[HEADER + p["offset"] : HEADER + p["offset"] + p["nbytes"]]
+    return raw.view(jnp.dtype(p["dtype"])).reshape([b - a for a, b in p["index"]])
+
+
+def copy_in(buf: np.ndarray, pieces: Sequence[dict[str, Any]], sources: Sequence[Any]) -> None:
+    """Copies each shard (a ``jax.Array`` in host-readable memory, or NumPy) to its place in ``buf``, in one
+    thread per core (NumPy lets go of the GIL while it copies)."""
+
+    def copy(k: int) -> None:
+        p = pieces[k]
+        raw = np.asarray(sources[k]).reshape(-1).view(np.uint8)
+        buf[HEADER + p["offset"] : HEADER + p["offset"] + p["nbytes"]] = raw
+
+    _in_threads(copy, [p["nbytes"] for p in pieces])
+
+
+def _in_threads(work: Any, sizes: Sequence[int]) -> None:
+    """Runs ``work(k)`` for every ``k``, in one thread per core, each given about equal bytes."""
+    workers = min(os.cpu_count() or 1, len(sizes))
+    if workers <= 1 or sum(sizes) < 2**22:
+        for k in range(len(sizes)):
+            work(k)
+        return
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        w = load.index(min(load))
+        shares[w].append(k)
+        load[w] += sizes[k]
+    with ThreadPoolExecutor(workers) as pool:
+        for done in [pool.submit(lambda ks: [work(k) for k in ks], share) for share in shares]:
+            done.result()
+
+
+def header_bytes(buf: np.ndarray, step: int, pieces: list[dict[str, Any]], data_state: Any = None) -> bytes:
+    """The JSON header of a snapshot whose shards are in ``buf``: its step, process, pieces (each with its
+    ``share`` of its array's fingerprint, summed from the bytes in ``buf``) and this process's data state."""
+    for p in pieces:  # in one thread: it runs beside the steps, which have the cores
+        p["share"] = block_fingerprint(_piece(buf, p), [a for a, _ in p["index"]], p["shape"])
+    header = {"step": step, "process": jax.process_index(), "pieces": pieces, "data_state": data_state}
+    return json.dumps(header).encode()
+
+
+def unpack(buf: np.ndarray) -> tuple[dict[str, Any], dict[tuple[str, str], np.ndarray]]:
+    """The header and ``{(path, index as JSON): shard}``; a piece whose fingerprint share differs from the
+    one written raises ValueError."""
+    at = int.from_bytes(bytes(buf[:HEADER]), "little")
+    header = json.loads(bytes(buf[at:]))
+    out = {}
+    for p in header["pieces"]:
+        piece = _piece(buf, p)
+        if block_fingerprint(piece, [a for a, _ in p["index"]], p["shape"]) != p["share"]:
+            raise ValueError(f"snapshot piece {p['path']} {p['index']} differs from what was written")
+        out[(p["path"], json.dumps(p["index"]))] = piece
+    return header, out
+
+
+def host_memory(data: jax.Array) -> Any:
+    """An asynchronous copy of a single-device array into its device's ``pinned_host`` memory, or the
+    array itself on a CPU device (its memory is the host's) or a device without host memory kinds."""
+    device = next(iter(data.devices()))
+    if device.platform == "cpu":
+        return data
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        kinds = set()
+    if "pinned_host" not in kinds:
+        return data
+    return jax.device_put(data, SingleDeviceSharding(device, memory_kind="pinned_host"))
+
+
+def mapped(path: Path, size: int, *, resize: bool = True) -> np.ndarray:
+    """The first ``size`` bytes of the file at ``path`` (made that long, unless ``resize`` is False) as a
+    writable array over its pages, mapped with their page tables filled at once: touching 64 MiB of
+    pages one by one costs more than copying them."""
+    with open(path, "r+b") as f:
+        if resize:
+            f.truncate(size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, flags=flags), np.uint8)  # unmapped with the array
