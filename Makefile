@@ -29,7 +29,7 @@ lint: $(STAMP)
 test: $(STAMP)
 	@$(PY) -c "$(STACK)" | sed 's|^|make test (the oldest supported stack, $(OLDEST)): |'
 	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15
 
 # The quick loop while editing: everything but the tests marked slow (processes, long training, compiles).
 test-fast: $(STAMP)
@@ -49,7 +49,7 @@ $(LATEST_STAMP): pyproject.toml
 
 test-latest: $(LATEST_STAMP)
 	@$(LATEST)/bin/python -c "$(STACK)" | sed 's|^|make test-latest (the newest releases): |'
-	JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q
+	JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q --durations=15
 
 # The whole round trip against the real thing: torch (its CPU build, Python 3.11), transformers, peft,
 # google-tunix and qwix. HF folder -> tunix on fsdp:8 -> qwix LoRA fine-tune -> resume on 4 devices ->
