@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,10 +82,12 @@ def test_kill_9_restarts_on_the_survivor_from_snapshots_and_matches_an_uninterru
     workdir = tmp_path / "job"
     done = run_job(workdir, 2, 4, f"{lost}:6", extra=SNAPSHOTS)
     result = finished(workdir, done, f"process {lost} killed by SIGKILL", 1, 4)
-    # step 6 ran but its snapshot was never taken: the survivor goes on from the snapshot of step 5
-    assert (result["processes"], result["devices"], result["restored_step"]) == (1, 4, 5)
+    # step 6 ran but its snapshot was never taken: the survivor goes on from the snapshot of step 5, or of
+    # step 4 when the one of step 5 was skipped (the one of step 4 was still being written on a process)
+    restored = result["restored_step"]
+    assert (result["processes"], result["devices"]) == (1, 4) and restored in (4, 5)
     recovered = recovered_event(workdir)
-    assert recovered["source"] == "snapshot" and recovered["restored_step"] == 5
+    assert recovered["source"] == "snapshot" and recovered["restored_step"] == restored
     assert (recovered["processes_before"], recovered["processes_after"], recovered["restart"]) == (2, 1, 1)
     assert all(recovered[p] >= 0 for p in PHASES), recovered
     assert recovered["compile_s"] > 0 and recovered["read_reshard_s"] > 0
@@ -101,8 +104,9 @@ def test_kill_9_restarts_on_the_survivor_from_snapshots_and_matches_an_uninterru
         abs=0.01,
     )
     history, kernel = uninterrupted(tmp_path)
+    after = range(restored + 1, 9)
     np.testing.assert_allclose(
-        [result["losses"][str(s)] for s in (6, 7, 8)], [history[s] for s in (6, 7, 8)], rtol=1e-4
+        [result["losses"][str(s)] for s in after], [history[s] for s in after], rtol=1e-4
     )
     np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
     snapshots = workdir / "snapshots"  # the survivor's own of the run before, and the lost one's, are freed
@@ -113,10 +117,9 @@ def test_a_snapshot_with_a_flipped_byte_is_refused_and_the_checkpoint_used(tmp_p
     workdir = tmp_path / "job"
     done = run_job(workdir, 2, 4, "1:6", extra=(*SNAPSHOTS, "--flip"))
     result = finished(workdir, done, "process 1 killed by SIGKILL", 1, 4)
-    assert (
-        "the snapshot of step 5 does not read" in done.stderr
-        and "differs from what was written" in done.stderr
-    )
+    # the newest snapshot (of step 5, or of step 4 when 5's was skipped while 4's was written) is refused
+    assert re.search(r"the snapshot of step [45] does not read", done.stderr), done.stderr[-3000:]
+    assert "differs from what was written" in done.stderr
     assert (result["restored_step"], result["restored_from"]) == (4, "checkpoint")
     assert recovered_event(workdir)["source"] == "checkpoint"
     history, kernel = uninterrupted(tmp_path)
@@ -130,11 +133,13 @@ def test_losing_process_0_of_3_restarts_on_2_from_snapshots_without_a_checkpoint
     workdir = tmp_path / "job"
     done = run_job(workdir, 3, 2, "0:3", steps=6, extra=SNAPSHOTS)
     result = finished(workdir, done, "process 0 killed by SIGKILL", 2, 2)
-    assert (result["processes"], result["devices"], result["restored_step"]) == (2, 4, 2)
-    assert result["restored_from"] == "snapshot" and sorted(result["losses"]) == ["3", "4", "5", "6"]
+    restored = result["restored_step"]  # 2, or 1 when the snapshot of step 2 was skipped
+    assert (result["processes"], result["devices"]) == (2, 4) and restored in (1, 2)
+    after = [str(s) for s in range(restored + 1, 7)]
+    assert result["restored_from"] == "snapshot" and sorted(result["losses"]) == after
     history, kernel = uninterrupted(tmp_path, steps=6)
     np.testing.assert_allclose(
-        [result["losses"][str(s)] for s in range(3, 7)], [history[s] for s in range(3, 7)], rtol=1e-4
+        [result["losses"][s] for s in after], [history[int(s)] for s in after], rtol=1e-4
     )
     np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
 
@@ -183,7 +188,7 @@ def test_a_process_lost_in_a_snapshot_a_save_or_the_restart_recovers_with_each_e
 
 @pytest.mark.parametrize(
     "processes, devices, kill, restored, extra",
-    [(4, 2, "2:6", 5, SNAPSHOTS), (2, 4, "1:5", 4, ())],
+    [(4, 2, "2:6", (4, 5), SNAPSHOTS), (2, 4, "1:5", (4,), ())],
     ids=["4->3 from snapshots", "2->1 from a checkpoint"],
 )
 def test_a_restart_on_fewer_processes_reads_each_example_once_from_where_the_run_stopped(
@@ -193,7 +198,8 @@ def test_a_restart_on_fewer_processes_reads_each_example_once_from_where_the_run
     done = run_job(workdir, processes, devices, kill, extra=(*extra, "--data", "elastic"), timeout=400)
     lost = kill.split(":")[0]
     result = finished(workdir, done, f"process {lost} killed by SIGKILL", processes - 1, devices)
-    assert result["restored_step"] == restored
+    assert result["restored_step"] in restored  # a snapshot due while the last is written is skipped
+    restored = result["restored_step"]
     assert "DataPositionWarning" not in done.stderr
     history, expected = uninterrupted_on_numbered_data(tmp_path)
     # the steps kept from the first run, then the restart's: each the examples of the uninterrupted run's step
