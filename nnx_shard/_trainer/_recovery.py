@@ -189,11 +189,12 @@ def snapshot(trainer: RecoveryHost, writer: SnapshotWriter, step: int, batches: 
         trainer.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)
         return
     log = logger.warning if writer.skipped == 1 else logger.info  # said once; the events count them all
+    which = f"the one of step {in_flight}" if in_flight is not None else "another process's last one"
     log(
-        "the snapshot of step %d was skipped: the one of step %s is still being written (%d skipped in this "
-        "run); a larger snapshot_every leaves it time",
+        "the snapshot of step %d was skipped: %s is still being written (%d skipped in this run); a larger "
+        "snapshot_every leaves it time",
         step,
-        in_flight if in_flight is not None else "before (on another process)",
+        which,
         writer.skipped,
     )
     trainer.observer.event("snapshot_skipped", time.perf_counter() - began, step, skipped=writer.skipped)
