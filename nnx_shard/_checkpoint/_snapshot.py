@@ -222,8 +222,9 @@ class SnapshotWriter:
         snapshot = _Snapshot(
             step, folder, pieces, size, [host_memory(d) for _, _, d, _ in shards], data_state
         )
-        if all(s is d for s, (_, _, d, _) in zip(snapshot.sources, shards, strict=True)):
-            # the shards are readable here (CPU devices): copied now, before the next step may donate them
+        if any(s is d for s, (_, _, d, _) in zip(snapshot.sources, shards, strict=True)):
+            # shards with no copy under way (CPU devices, whose memory is the host's; devices without host
+            # memory kinds): copied now, before the next step may donate them
             copy_in(self._pages(folder / "own.bin", size), pieces, snapshot.sources)
             snapshot.sources = None
         snapshot.exchanged = jax.process_count() == 1  # one process is its own peer
