@@ -7,12 +7,15 @@ ending in ``[\\1]`` (or ``[\\1, \\2]``) fills those indices of a stacked
 leaf's leading axes. A rule may give a list of ``(target, transform)`` pairs
 instead (``split(0, 3, i)`` takes one third of a fused qkv tensor each).
 Every leaf is rebuilt with ``jax.make_array_from_callback`` on its own
-sharding: a device's callback reads, through ``safetensors.safe_open``, only
-the part of each file tensor under its shard (see ``_weight_transforms``).
+sharding: a device's callback takes only the part of each file tensor under
+its shard (see ``_transforms``), as a view of the file's memory map
+(``_file_views``), and the transfer copies it once, transposed where the map
+says so, from the file's pages into the shard.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -20,15 +23,17 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+from nnx_shard._weights._file_views import file_views
 from nnx_shard._weights._keys import Rule, key_rules, mismatches, model_leaves, resolve_files, targets_of
 from nnx_shard._weights._peft import is_peft_folder, load_peft_adapters
-from nnx_shard._weights._transforms import Box, Op, apply, full_ops, source_box
+from nnx_shard._weights._transforms import Box, Op, aligned_empty, apply, copy_tiled, full_ops, source_box
 from nnx_shard.errors import WeightsMismatchError
 from nnx_shard.key_maps import resolve_key_map
 
@@ -61,6 +66,10 @@ class LoadReport:
             f"{self.bytes_needed / 1e6:.1f} MB needed in {self.seconds:.3f} s ({self.gb_per_s:.2f} GB/s)"
         )
         return text + "".join(f"; {n}" for n in self.notes)
+
+
+_THREADS = min(4, os.cpu_count() or 1)  # leaves made at once
+_AHEAD = 256 * 2**20  # a leaf of more bytes than this on this process is made alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,19 +222,32 @@ def load_safetensors(
             except (SafetensorError, OSError) as e:
                 raise WeightsMismatchError(f"{p} is not a readable safetensors file: {e}") from e
             headers[p] = {k: tuple(handles[p].get_slice(k).get_shape()) for k in handles[p].keys()}
+        views = {p: file_views(p) for p in paths}
         fills, notes = plan_fills(headers, leaves, key_map, skip, ignore, strict)
-        for path, group in fills.items():
-            x = leaves[path].get_value()
-            cache: dict[Box, np.ndarray] = {}
+        # Leaves are made by a few threads at once (the transfers' copies let go of the GIL), in order, and
+        # set as they come; a leaf of more than _AHEAD bytes here is made alone, so that at most a few leaves'
+        # new values live beside their old ones.
+        pending: collections.deque[tuple[str, int, Future]] = collections.deque()
 
-            def shard(index: Any, x: Any = x, group: list[_Fill] = group, cache: dict = cache) -> np.ndarray:
-                box = _box(index, x.shape)
-                if box not in cache:
-                    cache[box] = _fill_box(box, x, group, handles, counts, casts)
-                return cache[box]
+        def settle() -> None:
+            path, _, future = pending.popleft()
+            new, (read, held, cast) = future.result()
+            leaves[path].set_value(new)  # in place: the old value is freed here
+            counts[0] += read
+            counts[1] += held
+            casts.update(cast)
 
-            # in place, leaf by leaf: the old value is freed before the next leaf is read
-            leaves[path].set_value(jax.make_array_from_callback(x.shape, x.sharding, shard))
+        with ThreadPoolExecutor(_THREADS, thread_name_prefix="nnx-shard-load") as pool:
+            for path, group in fills.items():
+                x = leaves[path].get_value()
+                size = _local_bytes(x)
+                while pending and (
+                    len(pending) >= _THREADS or max(size, *(n for _, n, _ in pending)) > _AHEAD
+                ):
+                    settle()
+                pending.append((path, size, pool.submit(_make_leaf, x, group, handles, views)))
+            while pending:
+                settle()
         needed = counts[1]
     if casts:
         notes.append("cast " + ", ".join(sorted(casts)))
@@ -235,10 +257,36 @@ def load_safetensors(
     return LoadReport(tensors, counts[0], needed, time.perf_counter() - start, tuple(notes))
 
 
-def _fill_box(
-    box: Box, x: Any, group: list[_Fill], handles: dict, counts: list[int], casts: set
-) -> np.ndarray:
-    """The block ``box`` of leaf ``x`` from the file tensors that fill it, each read only where it overlaps."""
+def _make_leaf(
+    x: Any, group: list[_Fill], handles: dict, views: dict
+) -> tuple[jax.Array, tuple[int, int, set]]:
+    """Leaf ``x`` made anew from its file tensors on its own sharding, with the bytes read, the bytes its
+    blocks hold in the files' dtypes and the casts made; each distinct block is read once."""
+    blocks: dict[Box, np.ndarray] = {}
+    tally = [0, 0, set()]
+
+    def shard(index: Any) -> np.ndarray:
+        box = _box(index, x.shape)
+        if box not in blocks:
+            blocks[box] = _fill_box(box, x, group, handles, views, tally)
+        return blocks[box]
+
+    return jax.make_array_from_callback(x.shape, x.sharding, shard), (tally[0], tally[1], tally[2])
+
+
+def _local_bytes(x: Any) -> int:
+    """The bytes of ``x``'s distinct blocks on this process's devices."""
+    boxes = {_box(i, x.shape) for i in x.sharding.addressable_devices_indices_map(x.shape).values()}
+    return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * x.dtype.itemsize
+
+
+def _fill_box(box: Box, x: Any, group: list[_Fill], handles: dict, views: dict, tally: list) -> np.ndarray:
+    """The block ``box`` of leaf ``x`` from the file tensors that fill it, each read only where it overlaps.
+
+    A block filled by one tensor is returned as a view of the file where it is one in another layout: the
+    transfer to the device copies it once, transposing in tiles (numpy's own copy of a transposed view
+    reads a cache line per element). A block in the file's layout is copied into memory the device can
+    take without a second copy (a CPU device keeps a 64-byte-aligned buffer as it is)."""
     out = None  # allocated only when several tensors fill the block
     for fill in group:
         depth = len(fill.index)
@@ -246,19 +294,27 @@ def _fill_box(
             continue
         want = box[depth:]
         src = source_box(fill.ops, fill.file_shape, want)
-        data = handles[fill.file].get_slice(fill.name)[tuple(slice(lo, hi) for lo, hi in src)]
-        piece = apply(fill.ops, fill.file_shape, np.asarray(data), src, want)
-        counts[0] += data.nbytes
-        counts[1] += piece.size * data.itemsize
+        cut = tuple(slice(lo, hi) for lo, hi in src)
+        view = views[fill.file].get(fill.name)
+        data = view[cut] if view is not None else _fill_copy(handles[fill.file], fill.name, cut)
+        piece = apply(fill.ops, fill.file_shape, data, src, want)
+        tally[0] += data.nbytes
+        tally[1] += piece.size * data.itemsize
         if piece.dtype != x.dtype:
-            casts.add(f"{piece.dtype} -> {x.dtype}")
+            tally[2].add(f"{piece.dtype} -> {x.dtype}")
         if not fill.index and len(group) == 1:  # the whole block: no copy into ``out``
-            return np.ascontiguousarray(piece.astype(x.dtype, copy=False))
+            if not piece.flags.c_contiguous:  # the transfer transposes it (no device can keep it as it is)
+                return piece.astype(x.dtype, copy=False)
+            if view is None and piece.dtype == x.dtype:  # already a copy of its own
+                return piece
         if out is None:
-            out = np.empty([hi - lo for lo, hi in box], x.dtype)
-        out[tuple(i - lo for i, (lo, _) in zip(fill.index, box, strict=False))] = piece.astype(
-            x.dtype, copy=False
-        )
+            out = aligned_empty([hi - lo for lo, hi in box], x.dtype)
+        copy_tiled(out[tuple(i - lo for i, (lo, _) in zip(fill.index, box, strict=False))], piece)
     if out is None:
         raise WeightsMismatchError(f"no file tensor fills the block {box} of a {x.shape} leaf")
     return out
+
+
+def _fill_copy(handle: Any, name: str, cut: tuple[slice, ...]) -> np.ndarray:
+    """A copy of part of a tensor whose dtype NumPy does not know, through safetensors itself."""
+    return np.asarray(handle.get_slice(name)[cut])

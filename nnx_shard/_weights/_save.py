@@ -9,10 +9,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_shard._weights._file_views import DTYPES
 from nnx_shard._weights._hf_folder import DEFAULT_SHARD_SIZE, write_folder
 from nnx_shard._weights._keys import (
     Rule,
@@ -28,11 +28,6 @@ from nnx_shard._weights._transforms import full_ops, invert
 from nnx_shard.errors import WeightsMismatchError
 from nnx_shard.key_maps import resolve_key_map
 
-# safetensors' dtype names -> NumPy's (an export reproduces the source files' dtypes)
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}  # fmt: skip
 _TEMPLATE_INDEX = re.compile(r"^(.*)\[([\\\d,\s]+)\]$")  # a stacked target before expansion: w[\1, \2]
 _GROUP = re.compile(r"\((?!\?)(?:[^()\\]|\\.)*\)")
 
@@ -151,9 +146,7 @@ def save_safetensors(
             continue
         file_shape, file_dtype = shapes.get(file_name, (None, None))
         tensor = _join(file_name, parts, file_shape)
-        written[file_name] = (
-            tensor.astype(_DTYPES[file_dtype], copy=False) if file_dtype in _DTYPES else tensor
-        )
+        written[file_name] = tensor.astype(DTYPES[file_dtype], copy=False) if file_dtype in DTYPES else tensor
     _check_complete(leaves, used, unwritten, problems, skip, adapters)
     return write_folder(path, written, like=like, max_shard_size=max_shard_size)
 

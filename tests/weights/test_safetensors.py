@@ -88,6 +88,78 @@ def test_a_hugging_face_folder_loads_into_shards_reading_each_byte_once(tmp_path
     assert "loaded 11 tensors" in str(report) and report.gb_per_s > 0
 
 
+def aligned_data(folder):
+    """Each file saved again with metadata that puts its data, and so every tensor here, on 64 bytes: the
+    alignment at which a CPU device would take a view of the file as its own buffer, not a copy."""
+    from safetensors.numpy import load_file
+
+    for f in folder.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for pad in range(64):
+            save_file(tensors, str(f), metadata={"pad": "x" * pad})
+            if (8 + int.from_bytes(f.read_bytes()[:8], "little")) % 64 == 0:
+                break
+        assert all(t.nbytes % 64 == 0 for t in tensors.values())
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_loaded_model_owns_its_bytes_when_the_files_change_or_go(tmp_path, devices):
+    # shards are cut from views of the files' memory maps: each must be copied, transposed or not
+    tensors = hf_files(tmp_path)
+    aligned_data(tmp_path)
+    model = sharded_model(devices)
+    ns.load_safetensors(model, tmp_path, RULES)
+    before = {p: np.asarray(v.get_value()).copy() for p, v in ns.flatten_state(nnx.state(model))}
+    for f in tmp_path.glob("*.safetensors"):  # the same names and sizes, other values, in place
+        data = bytearray(f.read_bytes())
+        length = int.from_bytes(data[:8], "little")
+        data[8 + length :] = bytes(len(data) - 8 - length)
+        with open(f, "r+b") as h:
+            h.write(data)
+    reloaded = sharded_model(devices)
+    ns.load_safetensors(reloaded, tmp_path, RULES)
+    assert not np.asarray(reloaded.embed.embedding.get_value()).any()  # the files did change
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    after = {p: np.asarray(v.get_value()) for p, v in ns.flatten_state(nnx.state(model))}
+    for p in before:
+        np.testing.assert_array_equal(after[p], before[p], err_msg=p)
+    np.testing.assert_array_equal(before["embed/embedding"], tensors["model.embed_tokens.weight"])
+
+
+def test_a_damaged_header_is_named_and_nothing_is_written(tmp_path):
+    hf_files(tmp_path)
+    model = sharded_model()
+    before = np.asarray(model.embed.embedding.get_value()).copy()
+    f = tmp_path / "model-00001-of-00002.safetensors"
+    data = bytearray(f.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 4096  # past the end of the file
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
+    with pytest.raises(ns.WeightsMismatchError, match=r"safetensors|do not fit"):
+        ns.load_safetensors(model, tmp_path, RULES)
+    f.write_bytes(b"\xff" * 8 + data[8:])  # a header longer than the file
+    with pytest.raises(ns.WeightsMismatchError, match="is not a readable safetensors file"):
+        ns.load_safetensors(model, tmp_path, RULES)
+    np.testing.assert_array_equal(np.asarray(model.embed.embedding.get_value()), before)
+
+
+def test_tiled_copies_equal_numpy_for_every_layout_and_cast():
+    from nnx_shard._weights._transforms import aligned_empty, copy_tiled
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(300, 70, 9)).astype(np.float32)
+    for view in (w.transpose(2, 1, 0), w.transpose(1, 0, 2), w[::2, 3:, ::-1], w[:, :, 4], w, w[5]):
+        for dtype in (np.float32, np.float64):
+            out = aligned_empty(view.shape, dtype)
+            copy_tiled(out, view)
+            assert out.ctypes.data % 64 == 0 and out.flags.c_contiguous
+            np.testing.assert_array_equal(out, view.astype(dtype))
+
+
 def test_mismatches_are_all_listed_before_anything_is_written(tmp_path):
     hf_files(tmp_path)
     model = sharded_model()
