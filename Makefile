@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 LATEST_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]* 2>/dev/null | sort -V | tail -n 1 | sed 's|$$|/bin/python|')
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
+# Two test processes (pytest-xdist): the many tests that wait on processes they start overlap, and the
+# whole suite stays under 15 minutes on 2 cores (13.5 min against 21.5 min in one process).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast slow-list test-latest test-interop interop-install docs lint install bench chaos clean
 
@@ -29,11 +32,11 @@ lint: $(STAMP)
 test: $(STAMP)
 	@$(PY) -c "$(STACK)" | sed 's|^|make test (the oldest supported stack, $(OLDEST)): |'
 	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=15
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # The quick loop while editing: everything but the tests marked slow (processes, long training, compiles).
 test-fast: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow"
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 # Re-time the fast tests and list those over 0.8 s in tests/slow_tests.txt (then test-fast leaves them out).
 slow-list: $(STAMP)
@@ -49,7 +52,7 @@ $(LATEST_STAMP): pyproject.toml
 
 test-latest: $(LATEST_STAMP)
 	@$(LATEST)/bin/python -c "$(STACK)" | sed 's|^|make test-latest (the newest releases): |'
-	JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q --durations=15
+	JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # The whole round trip against the real thing: torch (its CPU build, Python 3.11), transformers, peft,
 # google-tunix and qwix. HF folder -> tunix on fsdp:8 -> qwix LoRA fine-tune -> resume on 4 devices ->
