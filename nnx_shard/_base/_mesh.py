@@ -357,3 +357,21 @@ def describe_mesh(mesh: Mesh) -> str:
     """
     parts = [f"{n}={s}" for n, s in mesh.shape.items() if s > 1]
     return ", ".join(parts) if parts else "1 device"
+
+
+def check_every_process_in(mesh: Mesh, what: str) -> None:
+    """MeshError when ``mesh`` leaves a process of this job without a device: ``what`` (a Trainer's step) runs
+    on every process, and a process with no device in its mesh has no part of it to run.
+
+    >>> check_every_process_in(create_mesh((8,), ("fsdp",)), "the step")  # one process: always in
+    """
+    left_out = sorted(set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat})
+    if left_out:
+        names = ", ".join(map(str, left_out))
+        raise MeshError(
+            f"the mesh ({describe_mesh(mesh)}) leaves process{'es' if len(left_out) > 1 else ''} {names} of "
+            f"{jax.process_count()} without a device, and {what} runs on every process; give each at least one "
+            f"device. To go on with fewer hosts, save and start the job again on fewer processes (nnx-shard "
+            f"launch --processes N, resume='auto'): the state is restored onto their devices, and an elastic "
+            f"data iterator resumes at the example where the run stopped. Nothing was moved."
+        )

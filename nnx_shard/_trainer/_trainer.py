@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
+from nnx_shard._base import COMPILE_CLOCK, check_every_process_in, mesh_from_string
 from nnx_shard._checkpoint import Checkpointer, RestoreReport
 from nnx_shard._cluster import CompileReport, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
@@ -369,11 +369,13 @@ class Trainer:
         ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all). The state moves
         with :meth:`ShardingHooks.on_mesh_change` (each piece a new device lacks sent once, nothing
         through the host); the step is rebuilt for the new shardings on the next batch and the global
-        batch stays as it was. With several processes, every process calls it together. Returns the
+        batch stays as it was. With several processes, every process calls it together, and each keeps a
+        device in the new mesh (else :class:`nnx_shard.MeshError`). Returns the
         :class:`nnx_shard.ResizeReport`; the resize and the recompile are logged as events.
         """
         self.init()
         new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
+        check_every_process_in(new, "a Trainer's step")
         report = self.hooks.on_mesh_change(new, donate=donate)
         self._compile_for(self._steps.moved(new, self.hooks.plan))  # compiled for the old shardings
         self.observer.event("resize", report.seconds, self.step, report=str(report))

@@ -183,3 +183,21 @@ def resize_worker(steps: int = 3):
         "half_spec": spec,
         "bitwise": bitwise,
     }
+
+
+def resize_off_a_process_worker(steps: int = 2):
+    """Worker: a resize onto process 0's devices alone is refused on every process, nothing moved; training
+    goes on on the old mesh as if it had not been asked."""
+    left_alone = RegressionTrainer(config("", total_steps=2 * steps))
+    expected = [h["loss"] for h in left_alone.train(batch_for)]
+    trainer = RegressionTrainer(config("", total_steps=2 * steps))
+    got = [h["loss"] for h in trainer.train(batch_for, steps=steps)]
+    before = digest(trainer)
+    try:
+        trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 0])
+        error = None
+    except ns.MeshError as e:
+        error = str(e)
+    unchanged = digest(trainer) == before
+    got += [h["loss"] for h in trainer.train(batch_for)]
+    return {"expected": expected, "got": got, "error": error, "unchanged": unchanged}

@@ -98,3 +98,14 @@ def test_resize_across_two_processes(multiprocess):
         assert v["there"].startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")
         assert v["back"].startswith("moved from 4 devices (fsdp=4) to 8 devices (fsdp=8)")
         assert v["half_mesh"] == {"fsdp": 4} and v["bitwise"] == [True, True]
+
+
+def test_a_resize_that_leaves_a_process_without_devices_is_refused_and_training_goes_on(multiprocess):
+    results, _ = multiprocess(
+        "tests.apps.trainer_app:resize_off_a_process_worker", 2, devices=2, deadline_s=240
+    )
+    for r in results:
+        v = r.ok()
+        assert v["error"] is not None and "process 1" in v["error"] and "nnx-shard launch" in v["error"]
+        assert v["unchanged"]
+        np.testing.assert_allclose(v["got"], v["expected"], rtol=2e-5, atol=1e-6)
