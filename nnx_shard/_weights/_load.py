@@ -237,6 +237,9 @@ def load_safetensors(
             counts[1] += held
             casts.update(cast)
 
+        x64 = bool(
+            jax.config.jax_enable_x64
+        )  # the caller's, which may be a `with jax.enable_x64()` of its thread
         with ThreadPoolExecutor(_THREADS, thread_name_prefix="nnx-shard-load") as pool:
             for path, group in fills.items():
                 x = leaves[path].get_value()
@@ -245,7 +248,7 @@ def load_safetensors(
                     len(pending) >= _THREADS or max(size, *(n for _, n, _ in pending)) > _AHEAD
                 ):
                     settle()
-                pending.append((path, size, pool.submit(_make_leaf, x, group, handles, views)))
+                pending.append((path, size, pool.submit(_make_leaf, x, group, handles, views, x64)))
             while pending:
                 settle()
         needed = counts[1]
@@ -258,7 +261,7 @@ def load_safetensors(
 
 
 def _make_leaf(
-    x: Any, group: list[_Fill], handles: dict, views: dict
+    x: Any, group: list[_Fill], handles: dict, views: dict, x64: bool
 ) -> tuple[jax.Array, tuple[int, int, set]]:
     """Leaf ``x`` made anew from its file tensors on its own sharding, with the bytes read, the bytes its
     blocks hold in the files' dtypes and the casts made; each distinct block is read once."""
@@ -271,7 +274,9 @@ def _make_leaf(
             blocks[box] = _fill_box(box, x, group, handles, views, tally)
         return blocks[box]
 
-    return jax.make_array_from_callback(x.shape, x.sharding, shard), (tally[0], tally[1], tally[2])
+    with jax.enable_x64(x64):
+        new = jax.make_array_from_callback(x.shape, x.sharding, shard)
+    return new, (tally[0], tally[1], tally[2])
 
 
 def _local_bytes(x: Any) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -125,6 +126,20 @@ def test_the_loaded_model_owns_its_bytes_when_the_files_change_or_go(tmp_path, d
     for p in before:
         np.testing.assert_array_equal(after[p], before[p], err_msg=p)
     np.testing.assert_array_equal(before["embed/embedding"], tensors["model.embed_tokens.weight"])
+
+
+def test_a_float64_model_loads_in_float64_under_the_callers_enable_x64(tmp_path):
+    # the leaves are made on worker threads: the caller's thread-local x64 setting must come along
+    import jax
+
+    w = np.random.default_rng(2).normal(size=(6, 4))  # float64, (out, in)
+    save_file({"fc.weight": w}, str(tmp_path / "w.safetensors"))
+    with jax.enable_x64(True):
+        model = nnx.Linear(4, 6, use_bias=False, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        ns.load_safetensors(model, tmp_path, [(r"fc\.weight", "kernel", "T")])
+        kernel = model.kernel.get_value()
+        assert kernel.dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(kernel), w.T)
 
 
 def test_a_damaged_header_is_named_and_nothing_is_written(tmp_path):
