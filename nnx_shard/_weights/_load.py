@@ -69,7 +69,7 @@ class LoadReport:
 
 
 _THREADS = min(4, os.cpu_count() or 1)  # leaves made at once
-_AHEAD = 256 * 2**20  # a leaf of more bytes than this on this process is made alone
+_AHEAD = 256 * 2**20  # the most bytes of leaves made at once on this process (a larger leaf is made alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +224,9 @@ def load_safetensors(
             headers[p] = {k: tuple(handles[p].get_slice(k).get_shape()) for k in handles[p].keys()}
         views = {p: file_views(p) for p in paths}
         fills, notes = plan_fills(headers, leaves, key_map, skip, ignore, strict)
-        # Leaves are made by a few threads at once (the transfers' copies let go of the GIL), in order, and
-        # set as they come; a leaf of more than _AHEAD bytes here is made alone, so that at most a few leaves'
-        # new values live beside their old ones.
+        # Leaves are made by a few threads at once (the transfers' copies let go of the GIL) and set in order
+        # as they come; a leaf joins those under way only while they hold at most _AHEAD bytes here together,
+        # so new values live beside their old ones for one leaf or _AHEAD bytes at most.
         pending: collections.deque[tuple[str, int, Future]] = collections.deque()
 
         def settle() -> None:
@@ -237,16 +237,12 @@ def load_safetensors(
             counts[1] += held
             casts.update(cast)
 
-        x64 = bool(
-            jax.config.jax_enable_x64
-        )  # the caller's, which may be a `with jax.enable_x64()` of its thread
+        x64 = bool(jax.config.jax_enable_x64)  # the caller's: maybe a `with jax.enable_x64()` of its thread
         with ThreadPoolExecutor(_THREADS, thread_name_prefix="nnx-shard-load") as pool:
             for path, group in fills.items():
                 x = leaves[path].get_value()
                 size = _local_bytes(x)
-                while pending and (
-                    len(pending) >= _THREADS or max(size, *(n for _, n, _ in pending)) > _AHEAD
-                ):
+                while pending and (len(pending) >= _THREADS or size + sum(n for _, n, _ in pending) > _AHEAD):
                     settle()
                 pending.append((path, size, pool.submit(_make_leaf, x, group, handles, views, x64)))
             while pending:

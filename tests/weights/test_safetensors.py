@@ -142,6 +142,39 @@ def test_a_float64_model_loads_in_float64_under_the_callers_enable_x64(tmp_path)
         np.testing.assert_array_equal(np.asarray(kernel), w.T)
 
 
+@pytest.mark.parametrize("ahead", [0, 2**30])
+def test_leaves_are_made_a_few_at_once_within_the_bytes_allowed_ahead(tmp_path, monkeypatch, ahead):
+    import threading
+    import time
+
+    from nnx_shard._weights import _load
+
+    tensors = hf_files(tmp_path)
+    model = sharded_model()
+    made, lock, live, most = _load._make_leaf, threading.Lock(), [0], [0]
+
+    def counted(*args):
+        with lock:
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+        time.sleep(0.01)  # long enough for the next leaf to start when it may
+        try:
+            return made(*args)
+        finally:
+            with lock:
+                live[0] -= 1
+
+    monkeypatch.setattr(_load, "_make_leaf", counted)
+    monkeypatch.setattr(_load, "_AHEAD", ahead)
+    monkeypatch.setattr(_load, "_THREADS", 2)
+    report = ns.load_safetensors(model, tmp_path, RULES)
+    assert most[0] == (1 if ahead == 0 else 2)  # no leaf fits in 0 bytes beside another; all in 1 GiB
+    assert report.bytes_read == report.bytes_needed == sum(t.nbytes for t in tensors.values())
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[0].up.kernel.get_value()), tensors["model.layers.0.up_proj.weight"].T
+    )
+
+
 def test_a_damaged_header_is_named_and_nothing_is_written(tmp_path):
     hf_files(tmp_path)
     model = sharded_model()
