@@ -146,8 +146,8 @@ def quiet() -> Iterator[list[str]]:
     one left unawaited is printed by ``sys.unraisablehook`` with its whole
     TensorStore spec (57,000 lines for a large model). Their first lines are
     collected into the yielded list instead, for the error's detail. Blocks
-    nest: the outermost one collects the garbage once, when the block failed (a successful read leaves
-    no coroutine unawaited, and a collection costs about 70 ms).
+    nest: the outermost one collects the garbage once, when an error passed through any of them (a
+    successful read leaves no coroutine unawaited, and a collection costs about 70 ms).
     """
     hidden: list[str] = []
     saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in _QUIET]
@@ -163,13 +163,18 @@ def quiet() -> Iterator[list[str]]:
     sys.unraisablehook = collect
     depth = getattr(_QUIETING, "depth", 0)
     _QUIETING.depth = depth + 1
-    failed = True
+    if depth == 0:
+        _QUIETING.failed = False
     try:
         yield hidden
-        failed = False
+    except BaseException:  # seen by every block it passes, even when an outer one's body handles it
+        _QUIETING.failed = True
+        raise
     finally:
         _QUIETING.depth = depth
-        if depth == 0 and failed:  # the outermost block, on a failure: one full collection (~70 ms)
+        if (
+            depth == 0 and _QUIETING.failed
+        ):  # the outermost block, after a failure inside: one full collection
             gc.collect()  # the failed read's unawaited coroutines are reported when collected: inside, not after
         sys.unraisablehook = previous
         for logger, level in saved:
