@@ -172,10 +172,8 @@ def quiet() -> Iterator[list[str]]:
         raise
     finally:
         _QUIETING.depth = depth
-        if (
-            depth == 0 and _QUIETING.failed
-        ):  # the outermost block, after a failure inside: one full collection
-            gc.collect()  # the failed read's unawaited coroutines are reported when collected: inside, not after
+        if depth == 0 and _QUIETING.failed:  # the outermost block, after a failure inside: one collection
+            gc.collect()  # a failed read's unawaited coroutines are reported when collected: inside, not after
         sys.unraisablehook = previous
         for logger, level in saved:
             logger.setLevel(level)

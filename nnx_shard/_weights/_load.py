@@ -271,8 +271,7 @@ def _make_leaf(
         return blocks[box]
 
     with jax.enable_x64(x64):
-        new = jax.make_array_from_callback(x.shape, x.sharding, shard)
-    return new, (tally[0], tally[1], tally[2])
+        return jax.make_array_from_callback(x.shape, x.sharding, shard), tuple(tally)
 
 
 def _local_bytes(x: Any) -> int:
