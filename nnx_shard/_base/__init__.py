@@ -44,6 +44,7 @@ from nnx_shard._base._specs import (
     spec_problems,
     trim_spec,
 )
+from nnx_shard._base._threads import in_threads
 from nnx_shard._base._visibility import check_model
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "format_bytes",
     "format_spec",
     "format_table",
+    "in_threads",
     "is_graph_object",
     "is_key",
     "is_variable",

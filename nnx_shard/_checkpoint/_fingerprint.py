@@ -27,9 +27,7 @@ Where it is computed:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -37,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import cached, entry_axes, is_key
+from nnx_shard._base import cached, entry_axes, in_threads, is_key
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
@@ -223,22 +221,12 @@ def _in_place_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
                 blocks.append((n, _word_view(np.asarray(shard.data)), bases[shard.device], strides))
     if not blocks:
         return ["00000000"] * len(arrays)  # nothing to sum: empty arrays
-    workers = min(len(blocks), os.cpu_count() or 1)
-    shares: list[list[tuple[int, np.ndarray, int, list[int]]]] = [[] for _ in range(workers)]
-    load = [0] * workers
-    for block in sorted(blocks, key=lambda b: -b[1].nbytes):
-        least = load.index(min(load))
-        shares[least].append(block)
-        load[least] += block[1].nbytes
-
-    def run(share: list[tuple[int, np.ndarray, int, list[int]]]) -> list[tuple[int, int]]:
-        return [(n, _block_sum(words, base, strides)) for n, words, base, strides in share]
-
+    parts = in_threads(
+        lambda k: _block_sum(blocks[k][1], blocks[k][2], blocks[k][3]), [b[1].nbytes for b in blocks]
+    )
     sums = [0] * len(arrays)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for done in pool.map(run, shares):
-            for n, value in done:
-                sums[n] += value
+    for (n, _, _, _), value in zip(blocks, parts, strict=True):
+        sums[n] += value
     return [f"{value % 2**32:08x}" for value in sums]
 
 
