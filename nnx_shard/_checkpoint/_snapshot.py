@@ -134,8 +134,8 @@ def received(sent: Any) -> np.ndarray:
 
 @dataclasses.dataclass
 class _Snapshot:
-    """One snapshot being written: its folder (``.step-N.tmp`` until complete), its own file's pieces and the
-    copies its shards come from (None once copied)."""
+    """One snapshot being written: its folder (``.step-N.tmp`` until complete), its own file's pieces, the
+    copies its shards come from (None once copied) and its own file's mapping when the step copied into it."""
 
     step: int
     folder: Path
@@ -145,6 +145,7 @@ class _Snapshot:
     data_state: Any
     exchanged: bool = False
     error: str | None = None
+    pages: np.ndarray | None = None
 
 
 class SnapshotWriter:
@@ -225,7 +226,8 @@ class SnapshotWriter:
         if any(s is d for s, (_, _, d, _) in zip(snapshot.sources, shards, strict=True)):
             # shards with no copy under way (CPU devices, whose memory is the host's; devices without host
             # memory kinds): copied now, before the next step may donate them
-            copy_in(self._pages(folder / "own.bin", size), pieces, snapshot.sources)
+            snapshot.pages = self._pages(folder / "own.bin", size)  # summed from in the background
+            copy_in(snapshot.pages, pieces, snapshot.sources)
             snapshot.sources = None
         snapshot.exchanged = jax.process_count() == 1  # one process is its own peer
         self._current = snapshot
@@ -309,7 +311,8 @@ class SnapshotWriter:
         writes the header; with one process, the snapshot is then complete."""
         try:
             own = snapshot.folder / "own.bin"
-            buf = mapped(own, snapshot.size)
+            buf = snapshot.pages if snapshot.pages is not None else mapped(own, snapshot.size)
+            snapshot.pages = None  # unmapped with buf
             if snapshot.sources is not None:
                 copy_in(buf, snapshot.pieces, snapshot.sources)  # waits for the copies to host memory
                 snapshot.sources = None
