@@ -269,8 +269,10 @@ class ShardingHooks:
         devices sends each piece a new device lacks once, nothing goes through
         the host. The objects the user holds are the live ones afterwards, and
         with ``donate`` the old layout's buffers are freed as each step
-        completes. With several processes, every process calls it together
-        (each keeping at least one device); it ends with a named barrier.
+        completes. With several processes, every process calls it together;
+        it ends with a named barrier. The mesh may leave processes out, or take
+        them back: a process with no device in ``mesh`` then holds arrays with
+        no shard of its own, and the others run the steps on their devices.
 
         Returns:
           A :class:`ResizeReport`, e.g. ``moved from 8 devices (fsdp=8) to 4

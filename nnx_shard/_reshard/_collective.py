@@ -309,7 +309,7 @@ def run(inputs: Sequence[jax.Array], target: Sharding, fill: dict[Any, jax.Array
         held = {s.device: s.data for s in x.addressable_shards}
         args.append(
             jax.make_array_from_single_device_arrays(
-                global_in, sharding, [held.get(d, fill.get(d)) for d in mine]
+                global_in, sharding, [held.get(d, fill.get(d)) for d in mine], dtype=x.dtype
             )
         )
     outs = compiled(*args)
@@ -318,7 +318,7 @@ def run(inputs: Sequence[jax.Array], target: Sharding, fill: dict[Any, jax.Array
         by_device = {s.device: s.data for s in y.addressable_shards}
         result.append(
             jax.make_array_from_single_device_arrays(
-                x.shape, target, [by_device[d] for d in target.addressable_devices]
+                x.shape, target, [by_device[d] for d in target.addressable_devices], dtype=x.dtype
             )
         )
     return result

@@ -214,7 +214,9 @@ def run(xs: list[jax.Array], target: Sharding, donate: bool) -> list[jax.Array]:
         for x in xs:
             held = {s.device: s.data for s in x.addressable_shards}
             blocks = [held[d] for d in sharding.mesh.devices.flat if d.process_index == mine]
-            inputs.append(jax.make_array_from_single_device_arrays(global_in, sharding, blocks))
+            inputs.append(
+                jax.make_array_from_single_device_arrays(global_in, sharding, blocks, dtype=x0.dtype)
+            )
         cut = _slicer(shape, x0.sharding, target, x0.dtype, k)(*inputs)
         pieces = [{s.device: s.data for s in out.addressable_shards} for out in cut]
         fresh = True
@@ -239,11 +241,15 @@ def run(xs: list[jax.Array], target: Sharding, donate: bool) -> list[jax.Array]:
         global_piece = (len(plan["targets"]) * piece[0], *piece[1:])
         local = [d for d in sharding.mesh.devices.flat if d.process_index == mine]
         inputs = [
-            jax.make_array_from_single_device_arrays(global_piece, sharding, [at[(d, q)] for d in local])
+            jax.make_array_from_single_device_arrays(
+                global_piece, sharding, [at[(d, q)] for d in local], dtype=x0.dtype
+            )
             for q in positions
         ]
         blocks_out = [{s.device: s.data for s in out.addressable_shards} for out in compiled(*inputs)]
     return [
-        jax.make_array_from_single_device_arrays(shape, target, [b[d] for d in target.addressable_devices])
+        jax.make_array_from_single_device_arrays(
+            shape, target, [b[d] for d in target.addressable_devices], dtype=x0.dtype
+        )
         for b in blocks_out
     ]

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from nnx_shard._base import flatten_with_paths, is_key, itemsize
 from nnx_shard._reshard import _collective, _copy
@@ -113,7 +113,7 @@ def _keep(x: jax.Array, target: Sharding) -> jax.Array:
         return x
     by_device = {s.device: s.data for s in x.addressable_shards}  # same blocks: relabel the buffers
     return jax.make_array_from_single_device_arrays(
-        x.shape, target, [by_device[d] for d in target.addressable_devices]
+        x.shape, target, [by_device[d] for d in target.addressable_devices], dtype=x.dtype
     )
 
 
@@ -155,7 +155,33 @@ def _pieces(x: jax.Array, target: Sharding) -> jax.Array:
             )
 
         out.append(assemble([len(c) - 1 for c in cuts], piece))
-    return jax.make_array_from_single_device_arrays(shape, target, out)
+    return jax.make_array_from_single_device_arrays(shape, target, out, dtype=x.dtype)
+
+
+def _reaches_other_processes(src: Sharding, dst: Sharding) -> bool:
+    """Whether ``dst`` has devices in a process where ``src`` has none (the same answer in every process)."""
+    return bool({d.process_index for d in dst.device_set} - {d.process_index for d in src.device_set})
+
+
+def _scalar_to_other_processes(x: jax.Array, target: Sharding) -> jax.Array:
+    """A 0-d array onto devices of processes that hold none of it: moved as a one-element array by the
+    collective route (one program over both device sets), each device's copy reshaped where it lies."""
+
+    def flat(sharding: Sharding) -> NamedSharding:
+        devices = sorted(sharding.device_set, key=lambda d: d.id)
+        return NamedSharding(Mesh(np.array(devices), ("one",)), PartitionSpec())
+
+    one = jax.make_array_from_single_device_arrays(
+        (1,), flat(x.sharding), [s.data.reshape(1) for s in x.addressable_shards], dtype=x.dtype
+    )
+    dst = flat(target)
+    schedule = _collective.build_schedule((1,), one.sharding, dst)
+    outside = tuple(d for d in schedule.union if d not in one.sharding.device_set)
+    (moved,) = _collective.run([one], dst, _collective.placeholders(schedule.src_block, x.dtype, outside))
+    by_device = {s.device: s.data.reshape(()) for s in moved.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        (), target, [by_device[d] for d in target.addressable_devices], dtype=x.dtype
+    )
 
 
 def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
@@ -215,6 +241,8 @@ def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
                 if route is Route.KEEP
                 else from_host(x, t)
                 if route is Route.HOST
+                else _scalar_to_other_processes(x, t)
+                if x.ndim == 0 and _reaches_other_processes(x.sharding, t)
                 else _pieces(x, t)
             )
         # One step at a time: XLA's CPU collectives must not interleave, and the peak stays the plan's.

@@ -171,3 +171,67 @@ def load_and_export(folder: str, out: str) -> dict:
     report = ns.load_safetensors(model, folder, RULES)
     written = ns.save_safetensors(model, out, RULES, like=folder)
     return {"read": report.bytes_read, "needed": report.bytes_needed, "written": written}
+
+
+def hooks_across_hosts():
+    """Worker: ShardingHooks move model, optimizer and EMA onto process 0's devices alone and back, in the
+    processes: process 1 holds no shard meanwhile and process 0 holds every value, unchanged."""
+    import optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from tests.helpers import MLP, no_host_transfers
+
+    strategy = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+    def create():
+        model = MLP(nnx.Rngs(0))
+        return {
+            "model": model,
+            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(model, decay=0.99),
+        }
+
+    def arrays():
+        flat = jax.tree_util.tree_flatten_with_path(hooks.states())[0]
+        out = {}
+        for path, x in flat:
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x = jax.random.key_data(x)
+            out[jax.tree_util.keystr(path)] = x
+        return out
+
+    everywhere = ns.create_mesh((-1,), ("fsdp",))
+    hooks = ns.ShardingHooks(strategy, everywhere)
+    objects = hooks.on_init(create)
+    before = {k: np.asarray(multihost_utils.process_allgather(x, tiled=True)) for k, x in arrays().items()}
+    first = [d for d in jax.devices() if d.process_index == 0]
+    with no_host_transfers():
+        there = hooks.on_mesh_change(ns.create_mesh((-1,), ("fsdp",), devices=first))
+    on_first = arrays()
+    shards_here = sum(len(x.addressable_shards) for x in on_first.values())
+    equal_there = None
+    kernel_spec = str(objects["model"].up.kernel.get_value().sharding.spec)
+    if jax.process_index() == 0:  # every value is here: compared, and a step on these devices alone
+        equal_there = all(np.array_equal(np.asarray(x), before[k]) for k, x in on_first.items())
+        kernel = objects["model"].up.kernel.get_value()
+        doubled = jax.jit(lambda k: k * 2)(kernel)
+        equal_there = equal_there and np.array_equal(np.asarray(doubled), 2 * before[_key("up", on_first)])
+    with no_host_transfers():
+        back = hooks.on_mesh_change(everywhere)
+    after = {k: np.asarray(multihost_utils.process_allgather(x, tiled=True)) for k, x in arrays().items()}
+    return {
+        "there": str(there),
+        "back": str(back),
+        "shards_here": shards_here,
+        "equal_there": equal_there,
+        "kernel_spec": kernel_spec,
+        "bitwise_back": all(np.array_equal(after[k], before[k]) for k in before),
+        "mesh_after": dict(hooks.mesh.shape),
+    }
+
+
+def _key(layer: str, arrays: dict) -> str:
+    """The flattened path of the model's ``layer`` kernel among ``arrays``' keys."""
+    (key,) = [k for k in arrays if "'model'" in k and f"'{layer}'" in k and "'kernel'" in k]
+    return key

@@ -109,3 +109,18 @@ def test_a_resize_that_leaves_a_process_without_devices_is_refused_and_training_
         assert v["error"] is not None and "process 1" in v["error"] and "nnx-shard launch" in v["error"]
         assert v["unchanged"]
         np.testing.assert_allclose(v["got"], v["expected"], rtol=2e-5, atol=1e-6)
+
+
+def test_hooks_move_the_state_onto_one_process_and_back(multiprocess):
+    # 2 processes x 2 devices: fsdp=4 -> process 0's 2 devices -> fsdp=4 again. The engine sends each
+    # piece once, nothing through the host; process 1 holds nothing in between.
+    results, _ = multiprocess("tests.apps.mh_workers:hooks_across_hosts", 2, devices=2, deadline_s=240)
+    for r in results:
+        v = r.ok()
+        assert v["there"].startswith("moved from 4 devices (fsdp=4) to 2 devices (fsdp=2)")
+        assert v["back"].startswith("moved from 2 devices (fsdp=2) to 4 devices (fsdp=4)")
+        assert v["kernel_spec"] == "P(None, 'fsdp')"
+        assert v["bitwise_back"] and v["mesh_after"] == {"fsdp": 4}
+    first, second = (r.ok() for r in results)
+    assert first["equal_there"] is True and first["shards_here"] > 0
+    assert second["equal_there"] is None and second["shards_here"] == 0
