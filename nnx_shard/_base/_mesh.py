@@ -359,9 +359,16 @@ def describe_mesh(mesh: Mesh) -> str:
     return ", ".join(parts) if parts else "1 device"
 
 
-def check_every_process_in(mesh: Mesh, what: str) -> None:
+_FEWER_HOSTS = (
+    "To go on with fewer hosts, save and start the job again on fewer processes (nnx-shard launch "
+    "--processes N, resume='auto'): the state is restored onto their devices, and an elastic data iterator "
+    "resumes at the example where the run stopped."
+)
+
+
+def check_every_process_in(mesh: Mesh, what: str, how: str = _FEWER_HOSTS) -> None:
     """MeshError when ``mesh`` leaves a process of this job without a device: ``what`` (a Trainer's step) runs
-    on every process, and a process with no device in its mesh has no part of it to run.
+    on every process, and a process with no device in its mesh has no part of it; ``how`` says what to do.
 
     >>> check_every_process_in(create_mesh((8,), ("fsdp",)), "the step")  # one process: always in
     """
@@ -370,8 +377,6 @@ def check_every_process_in(mesh: Mesh, what: str) -> None:
         names = ", ".join(map(str, left_out))
         raise MeshError(
             f"the mesh ({describe_mesh(mesh)}) leaves process{'es' if len(left_out) > 1 else ''} {names} of "
-            f"{jax.process_count()} without a device, and {what} runs on every process; give each at least one "
-            f"device. To go on with fewer hosts, save and start the job again on fewer processes (nnx-shard "
-            f"launch --processes N, resume='auto'): the state is restored onto their devices, and an elastic "
-            f"data iterator resumes at the example where the run stopped. Nothing was moved."
+            f"{jax.process_count()} without a device, and {what} needs a device on every process; give each at "
+            f"least one device. {how} Nothing was moved."
         )

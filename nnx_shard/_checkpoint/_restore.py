@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import describe_mesh
+from nnx_shard._base import check_every_process_in, describe_mesh
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._faults import quiet
 from nnx_shard._checkpoint._format import abstract_target
@@ -187,6 +187,12 @@ def restore_onto(
     A failed restore changes nothing live unless ``options.free_live`` freed it.
     """
     opts = options or RestoreOptions()
+    check_every_process_in(  # Orbax reads an array only onto devices of every process
+        mesh,
+        "a restore",
+        "Restore onto a mesh with a device on every process, then move the state with "
+        "ShardingHooks.on_mesh_change(mesh), which may leave processes out.",
+    )
     states = dict(states)
     names = restore_names(list(states), opts.items, opts.ema_as_model)
     target, expected, kept = _targets(states, shardings, names, opts)

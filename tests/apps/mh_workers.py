@@ -173,9 +173,10 @@ def load_and_export(folder: str, out: str) -> dict:
     return {"read": report.bytes_read, "needed": report.bytes_needed, "written": written}
 
 
-def hooks_across_hosts():
+def hooks_across_hosts(workdir: str):
     """Worker: ShardingHooks move model, optimizer and EMA onto process 0's devices alone and back, in the
-    processes: process 1 holds no shard meanwhile and process 0 holds every value, unchanged."""
+    processes: process 1 holds no shard meanwhile and process 0 holds every value, unchanged. A restore onto
+    process 0's devices alone is refused first, the live state untouched."""
     import optax
     from flax import nnx
     from jax.experimental import multihost_utils
@@ -206,6 +207,17 @@ def hooks_across_hosts():
     objects = hooks.on_init(create)
     before = {k: np.asarray(multihost_utils.process_allgather(x, tiled=True)) for k, x in arrays().items()}
     first = [d for d in jax.devices() if d.process_index == 0]
+    with ns.Checkpointer(workdir, async_save=False) as ckpt:
+        hooks.save(ckpt, 1)
+        try:
+            ns.restore_and_reshard(ckpt, objects, strategy, ns.create_mesh((-1,), ("fsdp",), devices=first))
+            refused = None
+        except ns.MeshError as e:
+            refused = str(e)
+    untouched = all(
+        np.array_equal(np.asarray(multihost_utils.process_allgather(x, tiled=True)), before[k])
+        for k, x in arrays().items()
+    )
     with no_host_transfers():
         there = hooks.on_mesh_change(ns.create_mesh((-1,), ("fsdp",), devices=first))
     on_first = arrays()
@@ -228,6 +240,8 @@ def hooks_across_hosts():
         "kernel_spec": kernel_spec,
         "bitwise_back": all(np.array_equal(after[k], before[k]) for k in before),
         "mesh_after": dict(hooks.mesh.shape),
+        "restore_refused": refused,
+        "untouched": untouched,
     }
 
 
