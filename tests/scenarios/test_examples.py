@@ -162,8 +162,18 @@ def check_suggest(result):
         assert all(v["suggest_seconds"] > 0 for k, v in result["speed"].items() if k.endswith("layers"))
 
 
+def check_resize_hosts(result):
+    # off process 1's devices and back: each byte the plan names sent once, process 1 left holding nothing,
+    # every leaf bitwise after both variants' round trips
+    assert result["bytes_moved_over_ideal"] == 1.0
+    assert result["process_1_shards_while_off"] == 0
+    assert result["bitwise_equal"] is True
+    assert result["warm_ratio_vs_through_host"] > 0
+
+
 BENCHMARKS = {
     "create": check_create,
+    "resize_hosts": check_resize_hosts,
     "suggest": check_suggest,
     "load": check_load,
     "tpu": check_tpu,
