@@ -12,4 +12,7 @@ from jax.sharding import Sharding
 def from_host(value: Any, sharding: Sharding) -> jax.Array:
     """Host data onto ``sharding``, each device given only its shard (each process sends only its own)."""
     host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    # A process with no device in ``sharding`` makes an array with no shard: JAX needs its dtype then (the
+    # one a device would hold); elsewhere it comes from the shards.
+    dtype = None if sharding.addressable_devices else jax.dtypes.canonicalize_dtype(host.dtype)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=dtype)

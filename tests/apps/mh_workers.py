@@ -229,6 +229,9 @@ def hooks_across_hosts(workdir: str):
         kernel = objects["model"].up.kernel.get_value()
         doubled = jax.jit(lambda k: k * 2)(kernel)
         equal_there = equal_there and np.array_equal(np.asarray(doubled), 2 * before[_key("up", on_first)])
+    host_rows = np.arange(24, dtype=np.float32).reshape(6, 4)  # host data placed on process 0's devices alone
+    placed = ns.reshard({"rows": host_rows}, NamedSharding(hooks.mesh, P("fsdp")))["rows"]
+    placed_here = [np.asarray(s.data).tolist() for s in placed.addressable_shards]
     with no_host_transfers():
         back = hooks.on_mesh_change(everywhere)
     after = {k: np.asarray(multihost_utils.process_allgather(x, tiled=True)) for k, x in arrays().items()}
@@ -241,6 +244,7 @@ def hooks_across_hosts(workdir: str):
         "bitwise_back": all(np.array_equal(after[k], before[k]) for k in before),
         "mesh_after": dict(hooks.mesh.shape),
         "restore_refused": refused,
+        "placed_here": placed_here,
         "untouched": untouched,
     }
 

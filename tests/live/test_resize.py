@@ -133,3 +133,5 @@ def test_hooks_move_the_state_onto_one_process_and_back(multiprocess, tmp_path):
     first, second = (r.ok() for r in results)
     assert first["equal_there"] is True and first["shards_here"] > 0
     assert second["equal_there"] is None and second["shards_here"] == 0
+    rows = np.arange(24, dtype=np.float32).reshape(6, 4).tolist()
+    assert first["placed_here"] == [rows[:3], rows[3:]] and second["placed_here"] == []
