@@ -18,6 +18,7 @@ import logging
 import re
 import sys
 import threading
+import traceback
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -165,15 +166,21 @@ def quiet() -> Iterator[list[str]]:
     _QUIETING.depth = depth + 1
     if depth == 0:
         _QUIETING.failed = False
+    error: BaseException | None = None
     try:
         yield hidden
-    except BaseException:  # seen by every block it passes, even when an outer one's body handles it
-        _QUIETING.failed = True
+    except BaseException as e:  # seen by every block it passes, even when an outer one's body handles it
+        _QUIETING.failed, error = True, e
         raise
     finally:
         _QUIETING.depth = depth
         if depth == 0 and _QUIETING.failed:  # the outermost block, after a failure inside: one collection
-            gc.collect()  # a failed read's unawaited coroutines are reported when collected: inside, not after
+            # A failed read's unawaited coroutines are reported when collected: inside, not after. The
+            # frames the error's tracebacks went through still hold some of them (asyncio's gather), so
+            # their locals go first; the error keeps its messages and the lines it passed.
+            for e in chain(error) if error is not None else ():
+                traceback.clear_frames(e.__traceback__)
+            gc.collect()
         sys.unraisablehook = previous
         for logger, level in saved:
             logger.setLevel(level)
