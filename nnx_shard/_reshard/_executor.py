@@ -163,7 +163,19 @@ def _reaches_other_processes(src: Sharding, dst: Sharding) -> bool:
     return bool({d.process_index for d in dst.device_set} - {d.process_index for d in src.device_set})
 
 
-def _scalar_to_other_processes(x: jax.Array, target: Sharding) -> jax.Array:
+def _move_collectively(xs: list[jax.Array], target: Sharding, fills: dict[Any, Any]) -> list[jax.Array]:
+    """``xs`` (one shape, dtype and sharding) onto ``target`` by the collective route; the placeholder blocks
+    for union devices outside the source are made once per signature and kept in ``fills``."""
+    first = xs[0]
+    schedule = _collective.build_schedule(tuple(first.shape), first.sharding, target)
+    outside = tuple(d for d in schedule.union if d not in first.sharding.device_set)
+    key = (schedule.src_block, first.dtype, outside)
+    if key not in fills:
+        fills[key] = _collective.placeholders(schedule.src_block, first.dtype, outside)
+    return _collective.run(xs, target, fills[key])
+
+
+def _scalar_to_other_processes(x: jax.Array, target: Sharding, fills: dict[Any, Any]) -> jax.Array:
     """A 0-d array onto devices of processes that hold none of it: moved as a one-element array by the
     collective route (one program over both device sets), each device's copy reshaped where it lies."""
 
@@ -174,10 +186,7 @@ def _scalar_to_other_processes(x: jax.Array, target: Sharding) -> jax.Array:
     one = jax.make_array_from_single_device_arrays(
         (1,), flat(x.sharding), [s.data.reshape(1) for s in x.addressable_shards], dtype=x.dtype
     )
-    dst = flat(target)
-    schedule = _collective.build_schedule((1,), one.sharding, dst)
-    outside = tuple(d for d in schedule.union if d not in one.sharding.device_set)
-    (moved,) = _collective.run([one], dst, _collective.placeholders(schedule.src_block, x.dtype, outside))
+    (moved,) = _move_collectively([one], flat(target), fills)
     by_device = {s.device: s.data.reshape(()) for s in moved.addressable_shards}
     return jax.make_array_from_single_device_arrays(
         (), target, [by_device[d] for d in target.addressable_devices], dtype=x.dtype
@@ -224,13 +233,7 @@ def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
             for i, y in zip(job.leaves, moved, strict=True):
                 results[i] = y
         elif job.route is Route.COLLECTIVE:
-            first = xs[job.leaves[0]]
-            schedule = _collective.build_schedule(tuple(first.shape), first.sharding, ts[job.leaves[0]])
-            outside = tuple(d for d in schedule.union if d not in first.sharding.device_set)
-            key = (schedule.src_block, first.dtype, outside)
-            if key not in fills:
-                fills[key] = _collective.placeholders(schedule.src_block, first.dtype, outside)
-            moved = _collective.run([xs[i] for i in job.leaves], ts[job.leaves[0]], fills[key])
+            moved = _move_collectively([xs[i] for i in job.leaves], ts[job.leaves[0]], fills)
             for i, y in zip(job.leaves, moved, strict=True):
                 results[i] = y
         else:
@@ -241,7 +244,7 @@ def reshard(tree: Any, target_shardings: Any, *, donate: bool = False) -> Any:
                 if route is Route.KEEP
                 else from_host(x, t)
                 if route is Route.HOST
-                else _scalar_to_other_processes(x, t)
+                else _scalar_to_other_processes(x, t, fills)
                 if x.ndim == 0 and _reaches_other_processes(x.sharding, t)
                 else _pieces(x, t)
             )
