@@ -27,6 +27,7 @@ from nnx_shard._base._paths import (
     path_str,
     visible,
 )
+from nnx_shard._base._processes import gather_json, holding_processes
 from nnx_shard._base._specs import (
     WHOLE,
     Spec,
@@ -76,6 +77,8 @@ __all__ = [
     "format_bytes",
     "format_spec",
     "format_table",
+    "gather_json",
+    "holding_processes",
     "in_threads",
     "is_graph_object",
     "is_key",

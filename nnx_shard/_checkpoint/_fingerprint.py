@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import cached, entry_axes, in_threads, is_key
+from nnx_shard._base import cached, entry_axes, gather_json, holding_processes, in_threads, is_key
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
@@ -321,6 +321,14 @@ def fingerprints(arrays: Sequence[Any]) -> list[str]:
     (True, False)
     """
     arrays = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in arrays]
+    holders = holding_processes(arrays) if jax.process_count() > 1 else set()
+    if holders and len(holders) < jax.process_count():  # a mesh that leaves processes out (Trainer.resize)
+        mine = _fingerprints(arrays) if jax.process_index() in holders else None
+        return gather_json(mine)[min(holders)]  # the processes holding them sum; every process hears it
+    return _fingerprints(arrays)
+
+
+def _fingerprints(arrays: list[jax.Array]) -> list[str]:
     out = [""] * len(arrays)
     small = [i for i, x in enumerate(arrays) if _on_host(x)]
     for i, value in zip(small, _host_fingerprints([arrays[i] for i in small]), strict=True):

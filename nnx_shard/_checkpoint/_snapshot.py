@@ -44,6 +44,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnx_shard._base import gather_json
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
     copy_in,
@@ -370,15 +371,3 @@ class SnapshotWriter:
             shutil.rmtree(old, ignore_errors=True)
         self._discard = []
         self._premap(snapshot.size)
-
-
-def gather_json(value: Any) -> list[Any]:
-    """Every process's ``value`` (anything JSON holds), in process order: a collective."""
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    if jax.process_count() == 1:
-        return [json.loads(data.tobytes())]
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).ravel()
-    raw = np.zeros((int(sizes.max()),), np.uint8)
-    raw[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(raw)).reshape(len(sizes), -1)
-    return [json.loads(r[:size].tobytes()) for r, size in zip(rows, sizes, strict=True)]

@@ -27,8 +27,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_shard._base import gather_json
 from nnx_shard._checkpoint._format import leaf_paths, map_leaves, storable, tree_fingerprints
-from nnx_shard._checkpoint._snapshot import gather_json, process_mesh
+from nnx_shard._checkpoint._snapshot import process_mesh
 from nnx_shard._checkpoint._snapshot_file import unpack
 
 logger = logging.getLogger("nnx_shard")

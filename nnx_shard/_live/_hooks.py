@@ -301,6 +301,17 @@ class ShardingHooks:
         logger.info("%s", report)
         return report
 
+    def states_on(self, mesh: Mesh) -> dict[str, Any]:
+        """A copy of the live states on the shardings the strategy infers for ``mesh``; the live ones stay.
+
+        Moved like :meth:`on_mesh_change` (each piece sent once, nothing through the host), without
+        freeing anything: e.g. the state written from every process while the live mesh leaves some
+        out (a Trainer's saves after such a :meth:`nnx_shard.Trainer.resize`). Every process calls it.
+        """
+        self._require("live objects to copy")
+        copy, _, _ = move(self.states(), self._strategy, self._mesh, mesh, strict=self._strict, donate=False)
+        return copy
+
     def save(
         self, checkpointer: Checkpointer, step: int, *, metrics: Mapping[str, float] | None = None
     ) -> bool:
