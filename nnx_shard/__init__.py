@@ -27,8 +27,10 @@ from nnx_shard._base import (
 from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, abstract_target
 from nnx_shard._cluster import (
     CompileReport,
+    DataShard,
     LaunchInfo,
     barrier_sync,
+    data_shard,
     data_sharding,
     host_local_to_global,
     initialize_distributed,
@@ -85,6 +87,7 @@ __all__ = [
     "key_maps",
     "Checkpointer",
     "CompileReport",
+    "DataShard",
     "LaunchInfo",
     "Leaf",
     "LeafPlacement",
@@ -109,6 +112,7 @@ __all__ = [
     "clear_caches",
     "create_mesh",
     "create_sharded",
+    "data_shard",
     "data_sharding",
     "default_config",
     "describe_mesh",

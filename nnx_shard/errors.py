@@ -248,6 +248,11 @@ class WorkdirLockedError(NnxShardError, RuntimeError):
     """A workdir that another live job is writing to; the message names the holder."""
 
 
+class StandbyError(NnxShardError, RuntimeError):
+    """A process a resize left without devices lost the processes training: their ``train()`` raised, or
+    JAX's coordination service stopped answering. The message says which and what they raised."""
+
+
 # -- waits that ran out (TimeoutError) -------------------------------------------------
 
 
@@ -292,6 +297,7 @@ __all__ = [
     "ReshardError",
     "ShardingConflictError",
     "ShardingError",
+    "StandbyError",
     "StateTypeError",
     "TacticArgumentError",
     "TacticError",

@@ -359,18 +359,11 @@ def describe_mesh(mesh: Mesh) -> str:
     return ", ".join(parts) if parts else "1 device"
 
 
-_FEWER_HOSTS = (
-    "To go on with fewer hosts, save and start the job again on fewer processes (nnx-shard launch "
-    "--processes N, resume='auto'): the state is restored onto their devices, and an elastic data iterator "
-    "resumes at the example where the run stopped."
-)
+def check_every_process_in(mesh: Mesh, what: str, how: str) -> None:
+    """MeshError when ``mesh`` leaves a process of this job without a device: ``what`` (a restore) needs a
+    device on every process; ``how`` says what to do instead.
 
-
-def check_every_process_in(mesh: Mesh, what: str, how: str = _FEWER_HOSTS) -> None:
-    """MeshError when ``mesh`` leaves a process of this job without a device: ``what`` (a Trainer's step) runs
-    on every process, and a process with no device in its mesh has no part of it; ``how`` says what to do.
-
-    >>> check_every_process_in(create_mesh((8,), ("fsdp",)), "the step")  # one process: always in
+    >>> check_every_process_in(create_mesh((8,), ("fsdp",)), "a restore", "")  # one process: always in
     """
     left_out = sorted(set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat})
     if left_out:

@@ -191,7 +191,7 @@ def restore_onto(
         mesh,
         "a restore",
         "Restore onto a mesh with a device on every process, then move the state with "
-        "ShardingHooks.on_mesh_change(mesh), which may leave processes out.",
+        "Trainer.resize(mesh) or ShardingHooks.on_mesh_change(mesh), which may leave processes out.",
     )
     states = dict(states)
     names = restore_names(list(states), opts.items, opts.ema_as_model)

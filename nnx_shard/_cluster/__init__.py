@@ -9,7 +9,14 @@ from nnx_shard._cluster._distributed import (
     launch_info,
 )
 from nnx_shard._cluster._launch import launch
-from nnx_shard._cluster._multihost import DATA_AXES, barrier_sync, data_sharding, host_local_to_global
+from nnx_shard._cluster._multihost import (
+    DATA_AXES,
+    DataShard,
+    barrier_sync,
+    data_shard,
+    data_sharding,
+    host_local_to_global,
+)
 from nnx_shard._cluster._tpu import CompileReport, compile_program, hbm_bytes, tpu_devices
 
 __all__ = [
@@ -18,9 +25,11 @@ __all__ = [
     "PREVIOUS_PROCESSES",
     "STOPPED_AT",
     "CompileReport",
+    "DataShard",
     "LaunchInfo",
     "barrier_sync",
     "compile_program",
+    "data_shard",
     "data_sharding",
     "hbm_bytes",
     "host_local_to_global",

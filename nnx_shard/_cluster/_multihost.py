@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -129,6 +129,46 @@ def data_sharding(mesh: Mesh, data_axes: Sequence[str] | None = None) -> NamedSh
         raise ShardingError(f"data axes {missing} are not in the mesh {tuple(mesh.axis_names)}.")
     entry = None if not axes else axes[0] if len(axes) == 1 else axes
     return NamedSharding(mesh, PartitionSpec(entry))
+
+
+class DataShard(NamedTuple):
+    """This process's share of every global batch: the ``index``-th of ``count`` equal row blocks.
+
+    What a ``step -> batch`` callable or a data loader slices by, in place of ``jax.process_index()`` and
+    ``jax.process_count()``, which say the same only while every process holds devices of the mesh.
+    """
+
+    index: int
+    count: int
+
+
+def data_shard(
+    mesh: Mesh, data_axes: Sequence[str] | None = None, *, process: int | None = None
+) -> DataShard | None:
+    """Which rows of a global batch on ``mesh`` ``process`` (default: this one) passes to :func:`host_local_to_global`.
+
+    The processes holding the same rows (model axes across processes) share a shard; processes are
+    numbered by their first row. None when the process holds no device of the mesh: it reads no data
+    (a Trainer resized off it, :meth:`nnx_shard.Trainer.resize`).
+
+    >>> from nnx_shard import create_mesh
+    >>> data_shard(create_mesh((4, 2), ("dp", "tp")))
+    DataShard(index=0, count=1)
+    >>> data_shard(create_mesh((4, 2), ("dp", "tp")), process=1) is None
+    True
+    """
+    sharding = data_sharding(mesh, data_axes)
+    entry = sharding.spec[0] if len(sharding.spec) else None
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    blocks = math.prod(mesh.shape[a] for a in names)
+    rows: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map((blocks,)).items():
+        rows.setdefault(device.process_index, set()).add(index[0].start or 0)
+    me = jax.process_index() if process is None else process
+    if me not in rows:
+        return None
+    shards = sorted({frozenset(r) for r in rows.values()}, key=min)
+    return DataShard(shards.index(frozenset(rows[me])), len(shards))
 
 
 def host_local_to_global(batch: Any, mesh: Mesh, data_axes: Sequence[str] | None = None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import warnings
@@ -13,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from nnx_shard._cluster import data_sharding, host_local_to_global
+from nnx_shard._base import gather_json
+from nnx_shard._cluster import DataShard, data_sharding, host_local_to_global
 from nnx_shard.errors import BatchStructureError, ConfigError, DataPositionWarning
 
 TOKEN_KEYS = ("tokens", "input_ids", "inputs_ids", "token_ids")
@@ -28,10 +30,17 @@ class Batches:
     is read, so a resumed run reads the batches an uninterrupted run would.
     On another number of processes only an elastic iterator's position carries
     over (:func:`is_elastic`); any other starts again, with a
-    :class:`nnx_shard.DataPositionWarning`.
+    :class:`nnx_shard.DataPositionWarning`. An elastic iterator is moved onto
+    ``shard`` (this process's rows of the global batch) at its global position
+    when it reads another (:func:`move_to_shard`).
     """
 
-    def __init__(self, data: Callable[[int], Any] | Iterable[Any], saved_states: list[Any] | None = None):
+    def __init__(
+        self,
+        data: Callable[[int], Any] | Iterable[Any],
+        saved_states: list[Any] | None = None,
+        shard: DataShard | None = None,
+    ):
         self.callable = data if callable(data) and not hasattr(data, "__iter__") else None
         self.iterator: Iterator[Any] | None = None if self.callable is not None else iter(data)
         self.elastic = self.callable is None and (is_elastic(data) or is_elastic(self.iterator))
@@ -41,6 +50,8 @@ class Batches:
             if state is not None:
                 self.iterator.set_state(state)
                 self.resumed = True
+        if self.elastic and shard is not None:
+            move_to_shard(self.iterator, shard)
 
     @property
     def resumable(self) -> bool:
@@ -77,6 +88,49 @@ def is_elastic(data: Any) -> bool:
         return True
     module = type(data).__module__
     return module.startswith("grain.") and module.endswith(".elastic_iterator")
+
+
+def move_to_shard(iterator: Any, shard: DataShard) -> bool:
+    """Moves an elastic iterator onto ``shard`` (its rows of each global batch) at its global position.
+
+    An iterator with ``reshard(shard_index, shard_count)`` is asked to (each ``train()`` call, so make it
+    cheap when nothing changes). grain's elastic iterator has no public way in grain 0.2: its shard
+    options are replaced and its own state set again, which makes its next batches from the new shard
+    at the same global example. Returns False, with a :class:`nnx_shard.DataPositionWarning`, when the
+    iterator offers neither: its batches keep the old shard's rows.
+
+    >>> class Rows:
+    ...     elastic = True
+    ...     def reshard(self, shard_index, shard_count):
+    ...         self.shard = (shard_index, shard_count)
+    >>> rows = Rows()
+    >>> move_to_shard(rows, DataShard(1, 3)), rows.shard
+    (True, (1, 3))
+    """
+    reshard = getattr(iterator, "reshard", None)
+    if callable(reshard):
+        reshard(shard.index, shard.count)
+        return True
+    options = getattr(iterator, "_shard_options", None)  # grain's _ElasticMapDatasetIterator
+    if (
+        options is not None
+        and hasattr(options, "shard_index")
+        and callable(getattr(iterator, "set_state", None))
+    ):
+        if (options.shard_index, options.shard_count) != (shard.index, shard.count):
+            iterator._shard_options = dataclasses.replace(
+                options, shard_index=shard.index, shard_count=shard.count
+            )
+            iterator.set_state(iterator.get_state())  # drops the iterator made for the old shard
+        return True
+    warnings.warn(
+        f"the {type(iterator).__qualname__} iterator is elastic but cannot be moved onto data shard "
+        f"{shard.index} of {shard.count}: it has no reshard(shard_index, shard_count) method, so its batches "
+        f"keep the rows of the shard it was made for. Give it one, or read with grain.experimental.ElasticIterator.",
+        DataPositionWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def state_for_this_process(states: list[Any] | None, *, elastic: bool = False, iterator: Any = None) -> Any:
@@ -134,17 +188,7 @@ def decode_state(state: Any) -> Any:
 
 def gather_states(state: Any) -> list[Any]:
     """Every process's encoded data state, in process order (a list of one with a single process)."""
-    encoded = json.dumps(encode_state(state))
-    if jax.process_count() == 1:
-        return [json.loads(encoded)]
-    from jax.experimental import multihost_utils
-
-    raw = np.frombuffer(encoded.encode(), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32))).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[: raw.size] = raw
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
-    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, lengths, strict=True)]
+    return gather_json(encode_state(state))
 
 
 def signature(batch: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -57,6 +57,9 @@ class LoopHost(RecoveryHost, Protocol):
 
     def learning_rate_schedule(self) -> Callable[[int], Any] | None: ...
 
+    @property
+    def data_shard(self) -> Any: ...
+
 
 class TrainingLoop:
     """The body of ``Trainer.train``: runs a :class:`LoopHost` from its step to an end step.
@@ -283,12 +286,16 @@ class StepLog:
         ] = {}  # examples and tokens dispatched up to each unlogged step
         self.since = (time.perf_counter(), host.step, 0, 0)  # the last log: time, step, examples, tokens
         self.schedule = host.learning_rate_schedule()
+        shard = host.data_shard
+        self.shards = (
+            shard.count if shard is not None else jax.process_count()
+        )  # processes' token counts add up
 
     def after_dispatch(self, metrics: Any, examples: int, tokens: int | None, end: int) -> None:
         t = self.host
         self.examples += examples
         if tokens is not None:
-            self.tokens, self.has_tokens = self.tokens + tokens * jax.process_count(), True
+            self.tokens, self.has_tokens = self.tokens + tokens * self.shards, True
         previous, self.pending = self.pending, None
         if previous is not None:
             self._log(*previous)

@@ -157,6 +157,15 @@ def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
     cfg = trainer.config
     if not cfg.snapshot_every:
         return None
+    holding = {d.process_index for d in trainer.hooks.mesh.devices.flat}
+    if len(holding) < jax.process_count():  # a snapshot is a collective of every process, a peer's copy too
+        logger.warning(
+            "in-memory snapshots pause while the mesh leaves %d of %d processes without devices (Trainer.resize);"
+            " checkpoints go on, and snapshots start again on a mesh with every process",
+            jax.process_count() - len(holding),
+            jax.process_count(),
+        )
+        return None
     info = launch_info()
     root = _root(trainer)
     discard = []

@@ -14,12 +14,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import COMPILE_CLOCK, check_every_process_in, mesh_from_string
+from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
 from nnx_shard._checkpoint import Checkpointer, RestoreReport
-from nnx_shard._cluster import CompileReport, initialize_distributed
+from nnx_shard._cluster import CompileReport, DataShard, data_shard, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
 from nnx_shard._suggest import Suggestion
-from nnx_shard._trainer import _data, _guard
+from nnx_shard._trainer import _data, _guard, _standby
 from nnx_shard._trainer._aot import compile_step, suggest_layout
 from nnx_shard._trainer._checkpoints import restore_options, save_step
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
@@ -31,7 +31,7 @@ from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
 from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
 from nnx_shard._trainer._watchdog import Watchdog
-from nnx_shard.errors import ConfigError
+from nnx_shard.errors import BatchStructureError, ConfigError, MeshError, StandbyError
 
 logger = logging.getLogger("nnx_shard")
 
@@ -101,6 +101,16 @@ class Trainer:
         self._wrt: Any = None  # the trained subset, resolved against the model when it is created
         self._data_states: list[Any] | None = None
         self._resumed = False
+        self._relay: _standby.Relay | None = None  # while the mesh leaves processes out (resize)
+        self._whole_mesh: Mesh | None = (
+            None  # the last mesh with a device on every process: saves write there
+        )
+        self._resizes = 0
+        self._in_train = False
+        self._moved_data: tuple[int, int] | None = (
+            None  # (rows, shards) of the last global batch before a resize
+        )
+        self._rows = 0  # of the last global batch
         self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
         COMPILE_CLOCK.start()  # the compile events: how long each new batch signature took
 
@@ -108,6 +118,20 @@ class Trainer:
     def mesh(self) -> Mesh:
         """The mesh the state lives on (the hooks'; :meth:`resize` changes it)."""
         return self.hooks.mesh
+
+    @property
+    def data_shard(self) -> DataShard | None:
+        """This process's rows of every global batch on the live mesh (:func:`nnx_shard.data_shard`).
+
+        A ``step -> batch`` callable that slices by it, instead of ``jax.process_index()`` and
+        ``jax.process_count()``, feeds the same global batch after a :meth:`resize` that changes which
+        processes hold the mesh. None on a process the mesh leaves out: it reads no data.
+
+        >>> trainer = Trainer({"mesh": "fsdp:-1", "progress": "off"})
+        >>> trainer.data_shard
+        DataShard(index=0, count=1)
+        """
+        return data_shard(self.hooks.mesh)
 
     # -- what a subclass gives ------------------------------------------------
 
@@ -231,6 +255,7 @@ class Trainer:
         if self.load_pretrained(objects["model"]) is not None and "ema" in objects:
             refresh_ema(objects["model"], objects["ema"])  # of the pretrained weights, not the random ones
         graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
+        self._whole_mesh = self.mesh
         mode = self.config.on_nonfinite
         self._compile_for(CompiledSteps(self.mesh, self.hooks.plan, self.train_step, mode, graphdefs))
 
@@ -270,6 +295,7 @@ class Trainer:
         """Runs one step on a global batch, updating the state the hooks own; returns the metrics. The first
         step of a batch signature compiles; JAX's compile-time events say how long (a ``compile`` event)."""
         self.init()
+        self._refuse_on_standby("run a step")
         fresh = not self._steps.is_compiled(batch)
         before = COMPILE_CLOCK.seconds
         states, metrics = self._steps.run(self.hooks.states(), batch)
@@ -280,8 +306,36 @@ class Trainer:
         return metrics
 
     def global_batch(self, batch: Any) -> Any:
-        """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through."""
-        return _data.global_batch(batch, self.hooks.mesh)
+        """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through.
+
+        Raises:
+          BatchStructureError: the first batch after a :meth:`resize` that changed which processes read
+            data has another number of rows than the last one before it (the data was sliced for the old
+            processes).
+        """
+        out = _data.global_batch(batch, self.hooks.mesh)
+        self._rows = _data.examples(out)
+        if self._moved_data is not None:
+            (rows, before), self._moved_data = self._moved_data, None
+            if self._rows != rows:
+                shard = self.data_shard
+                raise BatchStructureError(
+                    f"the global batch has {self._rows} rows after the resize and had {rows} before it: the data "
+                    f"was read for {before} data shard{'s' if before != 1 else ''}, and the new mesh has "
+                    f"{shard.count} (this process reads shard {shard.index}). Slice each step's batch by "
+                    f"trainer.data_shard (index, count) instead of jax.process_index() and jax.process_count(), "
+                    f"or read with grain.experimental.ElasticIterator, which the Trainer moves onto the new shards."
+                )
+        return out
+
+    def _refuse_on_standby(self, what: str) -> None:
+        if self._relay is not None and self._relay.standby:
+            raise MeshError(
+                f"cannot {what} on process {jax.process_index()}: it holds no device of the mesh since the "
+                f"resize onto {', '.join(f'{k}={v}' for k, v in self.mesh.shape.items())} (processes "
+                f"{list(self._relay.processes)}). Call train() on every process: this one waits there and "
+                f"joins the saves; or resize back onto a mesh with its devices."
+            )
 
     # -- the loop -----------------------------------------------------------------
 
@@ -325,19 +379,56 @@ class Trainer:
             "startup (init, restore, the first step)", self.config.startup_timeout, "startup_timeout"
         )
         self.init()
+        if self._relay is not None and self._relay.standby:
+            self.watchdog.disarm()  # waiting is this process's part: the processes training have their own
+            return self._follow()
         with self.lineage.lock():
             self._maybe_resume()
             self.lineage.check_fresh(overwrite=self.config.overwrite)
             end = self.step + steps if steps is not None else self.config.total_steps
-            batches = _data.Batches(data, self._data_states)
+            batches = _data.Batches(data, self._data_states, shard=self.data_shard)
             if batches.resumable:  # its saved position is used, or the warning said why not
                 self._data_states = None
-            return self.loop.run(self, batches, eval_data, end)
+            if self._relay is None or not self._relay.leader:
+                return self.loop.run(self, batches, eval_data, end)
+            error = None
+            self._in_train = True
+            try:
+                return self.loop.run(self, batches, eval_data, end)
+            except BaseException as e:
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                self._in_train = False
+                end_ = _standby.end_message(self.step, self.loop.stop_reason, batches, error)
+                self._relay.send(end_)
+
+    def _follow(self) -> list[dict[str, float]]:
+        """A standby process's ``train()``: joins the leader's saves until its call ends; returns no records."""
+        while True:
+            message = self._relay.receive()
+            self.step = int(message["step"])
+            if message["do"] == "save":
+                relayed = _standby.Relayed(message["gather"], message["data"])
+                self._save(relayed, message["metrics"], message["force"])
+                continue
+            self.loop.stop_reason = message["stop_reason"]
+            if message["data"] is not None:  # an elastic position: global, so this process's too
+                self._data_states = [message["data"]] * jax.process_count()
+            if self.checkpointer is not None:
+                self.checkpointer.wait_until_finished()
+            if message["error"] is not None:
+                raise StandbyError(
+                    f"the processes training on the mesh ({list(self._relay.processes)}) raised at step "
+                    f"{self.step}: {message['error']}; process {jax.process_index()} was on standby there."
+                )
+            return []
 
     def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
         """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default
         (compiled once per batch signature, like the train step)."""
         self.init()
+        self._refuse_on_standby("evaluate")
         return self._eval.run(self.hooks.states(), batches, use_ema=use_ema, to_global=self.global_batch)
 
     # -- checkpoints --------------------------------------------------------------
@@ -356,9 +447,17 @@ class Trainer:
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
         self.init()
+        if self._in_train and self._relay is not None:  # the standby processes join it (a collective)
+            self._relay.send(_standby.save_message(self.step, self.loop.batches, metrics, force))
+        return self._save(self.loop.batches, metrics, force)
+
+    def _save(self, batches: Any, metrics: Any, force: bool) -> bool:
+        states, mesh = self.states, self.mesh
+        if self._relay is not None:  # Orbax writes arrays every process holds: a copy on the whole mesh
+            states, mesh = self.hooks.states_on(self._whole_mesh), self._whole_mesh
         return save_step(
-            self.checkpointer, self.lineage, self.observer, self.step, self.states, self.mesh,
-            config=self.config, wrt=self._wrt, batches=self.loop.batches, metrics=metrics, force=force,
+            self.checkpointer, self.lineage, self.observer, self.step, states, mesh,
+            config=self.config, wrt=self._wrt, batches=batches, metrics=metrics, force=force,
         )  # fmt: skip
 
     def resize(
@@ -369,16 +468,30 @@ class Trainer:
         ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all). The state moves
         with :meth:`ShardingHooks.on_mesh_change` (each piece a new device lacks sent once, nothing
         through the host); the step is rebuilt for the new shardings on the next batch and the global
-        batch stays as it was. With several processes, every process calls it together, and each keeps a
-        device in the new mesh (else :class:`nnx_shard.MeshError`). Returns the
+        batch stays as it was. With several processes, every process calls it together.
+
+        The new mesh may leave processes out (a host to hand back) and bring them back later. A process
+        without devices holds no shard and is on standby: its ``train()`` runs no step, joins the saves
+        and returns when the processes training return, at their step. In-memory snapshots pause
+        meanwhile (checkpoints go on). The data follows: :attr:`data_shard` says which rows of each
+        global batch a process reads, and grain's ``ElasticIterator`` is moved onto the new shards at its
+        global position, so no example is read twice or skipped. Returns the
         :class:`nnx_shard.ResizeReport`; the resize and the recompile are logged as events.
         """
         self.init()
         new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
-        check_every_process_in(new, "a Trainer's step")
+        before = self.data_shard
         report = self.hooks.on_mesh_change(new, donate=donate)
         self._compile_for(self._steps.moved(new, self.hooks.plan))  # compiled for the old shardings
-        self.observer.event("resize", report.seconds, self.step, report=str(report))
+        processes = _standby.mesh_processes(new)
+        self._resizes += 1
+        left_out = len(processes) < jax.process_count()
+        self._relay = _standby.Relay(self._resizes, processes) if left_out else None
+        self._whole_mesh = self._whole_mesh if left_out else new
+        after = self.data_shard
+        if before is not None and after is not None and before.count != after.count and self._rows:
+            self._moved_data = (self._rows, before.count)  # the next global batch must have as many rows
+        self.observer.event("resize", report.seconds, self.step, report=str(report), processes=processes)
         return report
 
     def compile_report(self, devices: Sequence[Any], batch: Any) -> CompileReport:

@@ -67,14 +67,18 @@ class DropoutTrainer(RegressionTrainer):
 TRAINERS = {"mlp": RegressionTrainer, "dropout": DropoutTrainer}
 
 
-def batch_for(step: int, rows: int = 16) -> dict[str, np.ndarray]:
-    """The global batch of a step, the same in every run; each process takes its own rows."""
+def global_rows(step: int, rows: int = 16) -> dict[str, np.ndarray]:
+    """The whole global batch of a step, the same in every run."""
     rng = np.random.default_rng(step)
     x = rng.normal(size=(rows, 8)).astype(np.float32)
-    y = np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(axis=1, keepdims=True)).astype(np.float32)}
+
+
+def batch_for(step: int, rows: int = 16) -> dict[str, np.ndarray]:
+    """The global batch of a step, the same in every run; each process takes its own rows."""
     n, i = jax.process_count(), jax.process_index()
     per = rows // n
-    return {"x": x[i * per : (i + 1) * per], "y": y[i * per : (i + 1) * per]}
+    return {k: v[i * per : (i + 1) * per] for k, v in global_rows(step, rows).items()}
 
 
 def config(workdir: str, mesh: str = "fsdp:-1", **extra) -> dict:

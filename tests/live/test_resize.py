@@ -100,15 +100,51 @@ def test_resize_across_two_processes(multiprocess):
         assert v["half_mesh"] == {"fsdp": 4} and v["bitwise"] == [True, True]
 
 
-def test_a_resize_that_leaves_a_process_without_devices_is_refused_and_training_goes_on(multiprocess):
+@pytest.mark.multihost
+def test_a_trainer_resized_off_a_host_and_back_sees_every_example_once(multiprocess, tmp_path):
+    # 2 processes x 2 devices, grain's ElasticIterator, 8 examples a step: 3 steps on both processes, 3 on
+    # process 0's devices alone (process 1 on standby joins the save of step 5), 3 on both again. Each step
+    # feeds the examples of a run left alone, and the losses match; step 5's checkpoint resumes exactly.
     results, _ = multiprocess(
-        "tests.apps.trainer_app:resize_off_a_process_worker", 2, devices=2, deadline_s=240
+        "tests.apps.standby_app:elastic_off_a_host_and_back",
+        2,
+        devices=2,
+        args={"workdir": str(tmp_path / "ckpt")},
+        deadline_s=300,
     )
-    for r in results:
-        v = r.ok()
-        assert v["error"] is not None and "process 1" in v["error"] and "nnx-shard launch" in v["error"]
-        assert v["unchanged"]
-        np.testing.assert_allclose(v["got"], v["expected"], rtol=2e-5, atol=1e-6)
+    first, second = (r.ok() for r in results)
+    alone = {s: sorted(first["alone_seen"][s] + second["alone_seen"][s]) for s in first["alone_seen"]}
+    assert alone == {str(s): list(range(8 * (s - 1), 8 * s)) for s in range(1, 10)}
+    for step in map(str, range(1, 10)):
+        fed = sorted(first["seen"].get(step, []) + second["seen"].get(step, []))
+        assert fed == alone[step], step
+    assert all(str(s) not in second["seen"] for s in range(4, 7))  # process 1 read nothing on standby
+    assert [len(first["seen"][str(s)]) for s in (3, 4, 7)] == [4, 8, 4]
+    np.testing.assert_allclose(first["got"], first["expected"], rtol=2e-5, atol=1e-6)
+    assert first["shards"] == [[0, 2], [0, 1], [0, 2]] and second["shards"] == [[1, 2], None, [1, 2]]
+    assert second["after_standby"] == [6, "finished", 0] and first["after_standby"] == [6, "finished", 3]
+    assert first["there"].startswith("moved from 4 devices (fsdp=4) to 2 devices (fsdp=2)")
+    assert first["steps"] == [5] and first["restored"].startswith("restored step 5")
+    for r in (first, second):  # resumed from step 5 with the data position process 1 saved too
+        np.testing.assert_allclose(r["resumed"], first["expected"][5:], rtol=2e-5, atol=1e-6)
+    for step in map(str, range(6, 10)):
+        assert sorted(first["resumed_seen"][step] + second["resumed_seen"][step]) == alone[step]
+
+
+@pytest.mark.multihost
+def test_step_callables_follow_the_data_shard_across_a_resize_off_a_host(multiprocess):
+    results, _ = multiprocess("tests.apps.standby_app:callables_off_a_host", 2, devices=2, deadline_s=240)
+    first, second = (r.ok() for r in results)
+    np.testing.assert_allclose(first["got"], first["expected"], rtol=2e-5, atol=1e-6)
+    assert (
+        "8 rows after the resize and had 16 before" in first["refused"]
+        and "trainer.data_shard" in first["refused"]
+    )
+    assert "BatchStructureError" in second["standby"] and "on standby" in second["standby"]
+    assert first["standby"] is None and second["refused"] is None
+    assert "process 1" in second["on_standby"] and "holds no device" in second["on_standby"]
+    assert first["step"] == second["step"] == 4 and second["stop_reason"] == "finished"
+    assert first["shard"] == [0, 1] and second["shard"] is None
 
 
 def test_hooks_move_the_state_onto_one_process_and_back(multiprocess, tmp_path):
