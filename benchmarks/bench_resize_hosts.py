@@ -12,6 +12,11 @@ is its own job under ``nnx_shard.launch``; process 0 reports a cold round trip a
 of three warm ones, the bytes moved against the plan's ideal, the devices of process 1 left
 holding nothing in between, and a bitwise check of every leaf against the state created again.
 
+A save while the state is off a host costs more: Orbax 0.12 writes only arrays that every process
+holds, so the Trainer copies the state onto the whole mesh first (``ShardingHooks.states_on``) and the
+process left out joins the write. The nnx_shard variant times a synchronous, verified save of the
+state on the whole mesh and one of it while off (the copy included), each the median of three.
+
     python benchmarks/bench_resize_hosts.py [--smoke]
 """
 
@@ -79,6 +84,7 @@ def worker(variant: str, layers: int, width: int, out: str) -> None:
     for _ in range(1 + WARM_ROUNDS):
         off, back = move("off"), move("back")
         rounds.append({"off": off, "back": back, "round_trip_s": round(off["s"] + back["s"], 3)})
+    saves = saves_on_and_off(hooks, move, everywhere, out) if variant.startswith("nnx_shard") else None
     fresh, _ = ns.create_sharded(create, STRATEGY, everywhere)
     got = jax.tree.leaves({k: nnx.state(v) for k, v in objects.items()})
     want = jax.tree.leaves({k: nnx.state(v) for k, v in fresh.items()})
@@ -94,9 +100,37 @@ def worker(variant: str, layers: int, width: int, out: str) -> None:
         "warm": warm,
         "model_shards_on_this_process_while_off": held_off,
         "bitwise_equal": bitwise,
+        "saves": saves,
     }
     with open(f"{out}.{jax.process_index()}.json", "w") as f:
         json.dump(result, f)
+
+
+def saves_on_and_off(hooks, move, everywhere, out: str) -> dict[str, float]:
+    """Median seconds of a synchronous save on the whole mesh, and of one while the state is off process 1
+    (copied onto the whole mesh first, as the Trainer does); the state ends on the whole mesh."""
+    import nnx_shard as ns
+
+    checkpointer = ns.Checkpointer(f"{out}.ckpt", max_to_keep=1, async_save=False)
+    times: dict[str, list[float]] = {"on_whole_mesh": [], "while_off": [], "copy": []}
+    step = 0
+    for _ in range(WARM_ROUNDS):
+        step += 1
+        began = time.perf_counter()
+        hooks.save(checkpointer, step)
+        times["on_whole_mesh"].append(time.perf_counter() - began)
+        move("off")
+        step += 1
+        began = time.perf_counter()
+        copy = hooks.states_on(everywhere)
+        times["copy"].append(time.perf_counter() - began)
+        checkpointer.save(step, copy, mesh=everywhere)
+        times["while_off"].append(time.perf_counter() - began)
+        del copy
+        move("back")
+    checkpointer.close()
+    shutil.rmtree(f"{out}.ckpt", ignore_errors=True)
+    return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
 def through_host(x, target, where: str):
@@ -156,6 +190,8 @@ def main() -> None:
             3,
         ),
         "process_1_shards_while_off": runs[VARIANTS[0]][1]["model_shards_on_this_process_while_off"],
+        "save_s": ours["saves"],
+        "save_while_off_ratio": round(ours["saves"]["while_off"] / max(ours["saves"]["on_whole_mesh"], 1e-9), 3),
         "bitwise_equal": all(r["bitwise_equal"] for v in VARIANTS for r in runs[v]),
     }
     write_json(result, args.out)

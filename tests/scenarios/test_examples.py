@@ -169,6 +169,9 @@ def check_resize_hosts(result):
     assert result["process_1_shards_while_off"] == 0
     assert result["bitwise_equal"] is True
     assert result["warm_ratio_vs_through_host"] > 0
+    # a save while off copies the state onto the whole mesh first: both saves timed, the copy inside one
+    saves = result["save_s"]
+    assert 0 < saves["copy"] < saves["while_off"] and saves["on_whole_mesh"] > 0
 
 
 BENCHMARKS = {
