@@ -113,3 +113,20 @@ def callables_off_a_host(steps: int = 2) -> dict:
         "stop_reason": trainer.stop_reason,
         "shard": None if trainer.data_shard is None else list(trainer.data_shard),
     }
+
+
+def preempted_on_standby(workdir: str) -> dict:
+    """SIGTERM to both processes while process 1 is on standby: process 0 stops at JAX's preemption sync
+    point and saves, process 1 joins the save and returns at the same step, both saying why."""
+    import os
+    import signal
+    import threading
+
+    trainer = RegressionTrainer(config(workdir, total_steps=100_000, log_every=50))
+    data = elastic_data()
+    trainer.train(data, steps=2)
+    trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 0])
+    threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # as a scheduler would
+    trainer.train(data)
+    trainer.checkpointer.wait_until_finished()
+    return {"step": trainer.step, "reason": trainer.stop_reason, "steps": trainer.checkpointer.all_steps()}

@@ -132,6 +132,21 @@ def test_a_trainer_resized_off_a_host_and_back_sees_every_example_once(multiproc
 
 
 @pytest.mark.multihost
+def test_a_preemption_while_a_process_is_on_standby_saves_and_stops_both(multiprocess, tmp_path):
+    results, _ = multiprocess(
+        "tests.apps.standby_app:preempted_on_standby",
+        2,
+        devices=2,
+        args={"workdir": str(tmp_path / "ckpt")},
+        deadline_s=240,
+    )
+    first, second = (r.ok() for r in results)
+    assert first["reason"] == second["reason"] == "preempted"
+    assert first["step"] == second["step"] > 2
+    assert first["steps"] == [2, first["step"]]  # the save at the end of the first call, and the preemption's
+
+
+@pytest.mark.multihost
 def test_step_callables_follow_the_data_shard_across_a_resize_off_a_host(multiprocess):
     results, _ = multiprocess("tests.apps.standby_app:callables_off_a_host", 2, devices=2, deadline_s=240)
     first, second = (r.ok() for r in results)
