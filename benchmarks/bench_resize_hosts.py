@@ -191,7 +191,9 @@ def main() -> None:
         ),
         "process_1_shards_while_off": runs[VARIANTS[0]][1]["model_shards_on_this_process_while_off"],
         "save_s": ours["saves"],
-        "save_while_off_ratio": round(ours["saves"]["while_off"] / max(ours["saves"]["on_whole_mesh"], 1e-9), 3),
+        "save_while_off_ratio": round(
+            ours["saves"]["while_off"] / max(ours["saves"]["on_whole_mesh"], 1e-9), 3
+        ),
         "bitwise_equal": all(r["bitwise_equal"] for v in VARIANTS for r in runs[v]),
     }
     write_json(result, args.out)

@@ -100,19 +100,18 @@ def test_resize_across_two_processes(multiprocess):
         assert v["half_mesh"] == {"fsdp": 4} and v["bitwise"] == [True, True]
 
 
+def two_processes(multiprocess, worker: str, **args) -> list[dict]:
+    """What ``tests.apps.standby_app:<worker>`` returned in each of 2 processes x 2 devices."""
+    results, _ = multiprocess(f"tests.apps.standby_app:{worker}", 2, devices=2, args=args, deadline_s=300)
+    return [r.ok() for r in results]
+
+
 @pytest.mark.multihost
 def test_a_trainer_resized_off_a_host_and_back_sees_every_example_once(multiprocess, tmp_path):
     # 2 processes x 2 devices, grain's ElasticIterator, 8 examples a step: 3 steps on both processes, 3 on
     # process 0's devices alone (process 1 on standby joins the save of step 5), 3 on both again. Each step
     # feeds the examples of a run left alone, and the losses match; step 5's checkpoint resumes exactly.
-    results, _ = multiprocess(
-        "tests.apps.standby_app:elastic_off_a_host_and_back",
-        2,
-        devices=2,
-        args={"workdir": str(tmp_path / "ckpt")},
-        deadline_s=300,
-    )
-    first, second = (r.ok() for r in results)
+    first, second = two_processes(multiprocess, "elastic_off_a_host_and_back", workdir=str(tmp_path / "ckpt"))
     alone = {s: sorted(first["alone_seen"][s] + second["alone_seen"][s]) for s in first["alone_seen"]}
     assert alone == {str(s): list(range(8 * (s - 1), 8 * s)) for s in range(1, 10)}
     for step in map(str, range(1, 10)):
@@ -133,14 +132,7 @@ def test_a_trainer_resized_off_a_host_and_back_sees_every_example_once(multiproc
 
 @pytest.mark.multihost
 def test_a_preemption_while_a_process_is_on_standby_saves_and_stops_both(multiprocess, tmp_path):
-    results, _ = multiprocess(
-        "tests.apps.standby_app:preempted_on_standby",
-        2,
-        devices=2,
-        args={"workdir": str(tmp_path / "ckpt")},
-        deadline_s=240,
-    )
-    first, second = (r.ok() for r in results)
+    first, second = two_processes(multiprocess, "preempted_on_standby", workdir=str(tmp_path / "ckpt"))
     assert first["reason"] == second["reason"] == "preempted"
     assert first["step"] == second["step"] > 2
     assert first["steps"] == [2, first["step"]]  # the save at the end of the first call, and the preemption's
@@ -148,8 +140,7 @@ def test_a_preemption_while_a_process_is_on_standby_saves_and_stops_both(multipr
 
 @pytest.mark.multihost
 def test_step_callables_follow_the_data_shard_across_a_resize_off_a_host(multiprocess):
-    results, _ = multiprocess("tests.apps.standby_app:callables_off_a_host", 2, devices=2, deadline_s=240)
-    first, second = (r.ok() for r in results)
+    first, second = two_processes(multiprocess, "callables_off_a_host")
     np.testing.assert_allclose(first["got"], first["expected"], rtol=2e-5, atol=1e-6)
     assert (
         "8 rows after the resize and had 16 before" in first["refused"]
