@@ -29,6 +29,7 @@ from nnx_shard._trainer._recovery import (
     snapshot,
     start_snapshots,
 )
+from nnx_shard._trainer._resize import Resizing
 from nnx_shard._trainer._watchdog import Watchdog
 
 logger = logging.getLogger("nnx_shard")
@@ -84,8 +85,18 @@ class TrainingLoop:
     def request_stop(self, reason: str) -> None:
         self._stop_request = reason
 
-    def run(self, host: LoopHost, batches: _data.Batches, eval_data: Any, end: int) -> list[dict[str, float]]:
-        """Runs ``host`` from its step to ``end`` on ``batches``; returns the logged records."""
+    def run(
+        self,
+        host: LoopHost,
+        batches: _data.Batches,
+        eval_data: Any,
+        end: int,
+        resizing: Resizing | None = None,
+    ) -> list[dict[str, float]]:
+        """Runs ``host`` from its step to ``end`` on ``batches``; returns the logged records. With ``resizing``
+        whose mesh leaves processes out, their standby ``train()`` is told how this one ends (:meth:`follow`)."""
+        if resizing is not None and resizing.leader:
+            return resizing.lead(lambda: self.run(host, batches, eval_data, end), self, lambda: host.step)
         self.batches, self._recovered = batches, False
         snapshots = start_snapshots(host)  # refuses to start without the memory they need
         self.stop_reason, self._stop_request = None, None
@@ -104,6 +115,26 @@ class TrainingLoop:
         finally:
             self._finish(host, snapshots, run, previous, (start, spent, history))
         return history
+
+    def follow(self, host: LoopHost, resizing: Resizing) -> Any:
+        """A standby process's ``train()`` (see :class:`Resizing`): joins the leader's saves, each with the
+        leader's step and data position, until its call ends; takes its step and stop reason. Returns the
+        data position to set on the next ``train()`` (None unless an elastic iterator's, which is global).
+
+        Raises:
+          StandbyError: the leader's call raised, or the coordination service stopped answering.
+        """
+
+        def save(step: int, batches: Any, metrics: Any, force: bool) -> None:
+            host.step, self.batches = step, batches
+            host.save(metrics=metrics, force=force)
+
+        end = resizing.follow(save)
+        host.step, self.stop_reason = int(end["step"]), end["stop_reason"]
+        if host.checkpointer is not None:
+            host.checkpointer.wait_until_finished()
+        resizing.raise_if_failed(end)
+        return end["data"]
 
     def _steps(
         self,

@@ -19,7 +19,7 @@ from nnx_shard._checkpoint import Checkpointer, RestoreReport
 from nnx_shard._cluster import CompileReport, DataShard, data_shard, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
 from nnx_shard._suggest import Suggestion
-from nnx_shard._trainer import _data, _guard, _standby
+from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._aot import compile_step, suggest_layout
 from nnx_shard._trainer._checkpoints import restore_options, save_step
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
@@ -29,9 +29,10 @@ from nnx_shard._trainer._loop import Callback, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
 from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
+from nnx_shard._trainer._resize import Resizing
 from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
 from nnx_shard._trainer._watchdog import Watchdog
-from nnx_shard.errors import BatchStructureError, ConfigError, MeshError, StandbyError
+from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
 
@@ -101,16 +102,7 @@ class Trainer:
         self._wrt: Any = None  # the trained subset, resolved against the model when it is created
         self._data_states: list[Any] | None = None
         self._resumed = False
-        self._relay: _standby.Relay | None = None  # while the mesh leaves processes out (resize)
-        self._whole_mesh: Mesh | None = (
-            None  # the last mesh with a device on every process: saves write there
-        )
-        self._resizes = 0
-        self._in_train = False
-        self._moved_data: tuple[int, int] | None = (
-            None  # (rows, shards) of the last global batch before a resize
-        )
-        self._rows = 0  # of the last global batch
+        self._resizing = Resizing()  # which processes hold the mesh, across resizes
         self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
         COMPILE_CLOCK.start()  # the compile events: how long each new batch signature took
 
@@ -121,16 +113,9 @@ class Trainer:
 
     @property
     def data_shard(self) -> DataShard | None:
-        """This process's rows of every global batch on the live mesh (:func:`nnx_shard.data_shard`).
-
-        A ``step -> batch`` callable that slices by it, instead of ``jax.process_index()`` and
-        ``jax.process_count()``, feeds the same global batch after a :meth:`resize` that changes which
-        processes hold the mesh. None on a process the mesh leaves out: it reads no data.
-
-        >>> trainer = Trainer({"mesh": "fsdp:-1", "progress": "off"})
-        >>> trainer.data_shard
-        DataShard(index=0, count=1)
-        """
+        """This process's rows of every global batch (:func:`nnx_shard.data_shard`), None on a process the mesh
+        leaves out. A ``step -> batch`` callable that slices by it (not by ``jax.process_index()``) feeds the same
+        global batch after a :meth:`resize` that changes the processes."""
         return data_shard(self.hooks.mesh)
 
     # -- what a subclass gives ------------------------------------------------
@@ -170,15 +155,8 @@ class Trainer:
         return metrics
 
     def apply_gradients(
-        self,
-        model: nnx.Module,
-        optimizer: nnx.Optimizer,
-        ema: nnx.EMA | None,
-        grads: Any,
-        *,
-        loss: Any,
-        grad_norm: Any,
-    ) -> Any:
+        self, model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.EMA | None, grads: Any, *, loss: Any, grad_norm: Any
+    ) -> Any:  # fmt: skip
         """(traced) The optimizer and EMA update, applied only when ``loss`` and ``grad_norm`` are finite.
 
         The update runs under a ``cond``, so a non-finite step changes nothing and a finite one costs
@@ -255,7 +233,6 @@ class Trainer:
         if self.load_pretrained(objects["model"]) is not None and "ema" in objects:
             refresh_ema(objects["model"], objects["ema"])  # of the pretrained weights, not the random ones
         graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
-        self._whole_mesh = self.mesh
         mode = self.config.on_nonfinite
         self._compile_for(CompiledSteps(self.mesh, self.hooks.plan, self.train_step, mode, graphdefs))
 
@@ -295,7 +272,8 @@ class Trainer:
         """Runs one step on a global batch, updating the state the hooks own; returns the metrics. The first
         step of a batch signature compiles; JAX's compile-time events say how long (a ``compile`` event)."""
         self.init()
-        self._refuse_on_standby("run a step")
+        self._resizing.refuse("run a step", self.mesh)
+        self._resizing.check_rows(batch, self.data_shard)
         fresh = not self._steps.is_compiled(batch)
         before = COMPILE_CLOCK.seconds
         states, metrics = self._steps.run(self.hooks.states(), batch)
@@ -306,36 +284,8 @@ class Trainer:
         return metrics
 
     def global_batch(self, batch: Any) -> Any:
-        """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through.
-
-        Raises:
-          BatchStructureError: the first batch after a :meth:`resize` that changed which processes read
-            data has another number of rows than the last one before it (the data was sliced for the old
-            processes).
-        """
-        out = _data.global_batch(batch, self.hooks.mesh)
-        self._rows = _data.examples(out)
-        if self._moved_data is not None:
-            (rows, before), self._moved_data = self._moved_data, None
-            if self._rows != rows:
-                shard = self.data_shard
-                raise BatchStructureError(
-                    f"the global batch has {self._rows} rows after the resize and had {rows} before it: the data "
-                    f"was read for {before} data shard{'s' if before != 1 else ''}, and the new mesh has "
-                    f"{shard.count} (this process reads shard {shard.index}). Slice each step's batch by "
-                    f"trainer.data_shard (index, count) instead of jax.process_index() and jax.process_count(), "
-                    f"or read with grain.experimental.ElasticIterator, which the Trainer moves onto the new shards."
-                )
-        return out
-
-    def _refuse_on_standby(self, what: str) -> None:
-        if self._relay is not None and self._relay.standby:
-            raise MeshError(
-                f"cannot {what} on process {jax.process_index()}: it holds no device of the mesh since the "
-                f"resize onto {', '.join(f'{k}={v}' for k, v in self.mesh.shape.items())} (processes "
-                f"{list(self._relay.processes)}). Call train() on every process: this one waits there and "
-                f"joins the saves; or resize back onto a mesh with its devices."
-            )
+        """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through."""
+        return _data.global_batch(batch, self.hooks.mesh)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -373,15 +323,18 @@ class Trainer:
           One dict per logged step: ``step``, ``loss``, ``grad_norm``, the
           learning rate when known, the loss's other metrics, and throughput.
           ``stop_reason`` then says why it returned: ``finished``,
-          ``preempted``, ``data exhausted`` or ``stopped: <reason>``.
+          ``preempted``, ``data exhausted`` or ``stopped: <reason>``. None on a
+          process :meth:`resize` left without devices (it runs no step).
         """
         self.watchdog.arm(
             "startup (init, restore, the first step)", self.config.startup_timeout, "startup_timeout"
         )
         self.init()
-        if self._relay is not None and self._relay.standby:
+        if self._resizing.standby:
             self.watchdog.disarm()  # waiting is this process's part: the processes training have their own
-            return self._follow()
+            position = self.loop.follow(self, self._resizing)  # joins their saves until their call ends
+            self._data_states = None if position is None else [position] * jax.process_count()
+            return []
         with self.lineage.lock():
             self._maybe_resume()
             self.lineage.check_fresh(overwrite=self.config.overwrite)
@@ -389,46 +342,13 @@ class Trainer:
             batches = _data.Batches(data, self._data_states, shard=self.data_shard)
             if batches.resumable:  # its saved position is used, or the warning said why not
                 self._data_states = None
-            if self._relay is None or not self._relay.leader:
-                return self.loop.run(self, batches, eval_data, end)
-            error = None
-            self._in_train = True
-            try:
-                return self.loop.run(self, batches, eval_data, end)
-            except BaseException as e:
-                error = f"{type(e).__name__}: {e}"
-                raise
-            finally:
-                self._in_train = False
-                end_ = _standby.end_message(self.step, self.loop.stop_reason, batches, error)
-                self._relay.send(end_)
-
-    def _follow(self) -> list[dict[str, float]]:
-        """A standby process's ``train()``: joins the leader's saves until its call ends; returns no records."""
-        while True:
-            message = self._relay.receive()
-            self.step = int(message["step"])
-            if message["do"] == "save":
-                relayed = _standby.Relayed(message["gather"], message["data"])
-                self._save(relayed, message["metrics"], message["force"])
-                continue
-            self.loop.stop_reason = message["stop_reason"]
-            if message["data"] is not None:  # an elastic position: global, so this process's too
-                self._data_states = [message["data"]] * jax.process_count()
-            if self.checkpointer is not None:
-                self.checkpointer.wait_until_finished()
-            if message["error"] is not None:
-                raise StandbyError(
-                    f"the processes training on the mesh ({list(self._relay.processes)}) raised at step "
-                    f"{self.step}: {message['error']}; process {jax.process_index()} was on standby there."
-                )
-            return []
+            return self.loop.run(self, batches, eval_data, end, self._resizing)
 
     def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
         """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default
         (compiled once per batch signature, like the train step)."""
         self.init()
-        self._refuse_on_standby("evaluate")
+        self._resizing.refuse("evaluate", self.mesh)
         return self._eval.run(self.hooks.states(), batches, use_ema=use_ema, to_global=self.global_batch)
 
     # -- checkpoints --------------------------------------------------------------
@@ -447,17 +367,12 @@ class Trainer:
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
         self.init()
-        if self._in_train and self._relay is not None:  # the standby processes join it (a collective)
-            self._relay.send(_standby.save_message(self.step, self.loop.batches, metrics, force))
-        return self._save(self.loop.batches, metrics, force)
-
-    def _save(self, batches: Any, metrics: Any, force: bool) -> bool:
-        states, mesh = self.states, self.mesh
-        if self._relay is not None:  # Orbax writes arrays every process holds: a copy on the whole mesh
-            states, mesh = self.hooks.states_on(self._whole_mesh), self._whole_mesh
+        # processes on standby (a mesh that leaves them out) join it: every process writes
+        self._resizing.announce_save(self.step, self.loop.batches, metrics, force)
+        states, mesh = self._resizing.writable(self.hooks, self.mesh)
         return save_step(
             self.checkpointer, self.lineage, self.observer, self.step, states, mesh,
-            config=self.config, wrt=self._wrt, batches=batches, metrics=metrics, force=force,
+            config=self.config, wrt=self._wrt, batches=self.loop.batches, metrics=metrics, force=force,
         )  # fmt: skip
 
     def resize(
@@ -465,32 +380,19 @@ class Trainer:
     ) -> ResizeReport:
         """Moves the live training state onto another mesh and goes on training there.
 
-        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all). The state moves
-        with :meth:`ShardingHooks.on_mesh_change` (each piece a new device lacks sent once, nothing
-        through the host); the step is rebuilt for the new shardings on the next batch and the global
-        batch stays as it was. With several processes, every process calls it together.
-
-        The new mesh may leave processes out (a host to hand back) and bring them back later. A process
-        without devices holds no shard and is on standby: its ``train()`` runs no step, joins the saves
-        and returns when the processes training return, at their step. In-memory snapshots pause
-        meanwhile (checkpoints go on). The data follows: :attr:`data_shard` says which rows of each
-        global batch a process reads, and grain's ``ElasticIterator`` is moved onto the new shards at its
-        global position, so no example is read twice or skipped. Returns the
-        :class:`nnx_shard.ResizeReport`; the resize and the recompile are logged as events.
+        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all); every process calls it.
+        The state moves with :meth:`ShardingHooks.on_mesh_change` (each piece sent once, nothing through the
+        host) and the global batch stays as it was. The mesh may leave processes out and take them back: a
+        process without devices is on standby (its ``train()`` runs no step, joins the saves and returns with
+        the others; snapshots pause). :attr:`data_shard` says which rows a process reads, and grain's
+        ``ElasticIterator`` moves onto the new shards at its global position: no example read twice or skipped.
         """
         self.init()
         new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
-        before = self.data_shard
+        old, before = self.mesh, self.data_shard
         report = self.hooks.on_mesh_change(new, donate=donate)
         self._compile_for(self._steps.moved(new, self.hooks.plan))  # compiled for the old shardings
-        processes = _standby.mesh_processes(new)
-        self._resizes += 1
-        left_out = len(processes) < jax.process_count()
-        self._relay = _standby.Relay(self._resizes, processes) if left_out else None
-        self._whole_mesh = self._whole_mesh if left_out else new
-        after = self.data_shard
-        if before is not None and after is not None and before.count != after.count and self._rows:
-            self._moved_data = (self._rows, before.count)  # the next global batch must have as many rows
+        processes = self._resizing.moved(old, new, data_moved=self.data_shard != before)
         self.observer.event("resize", report.seconds, self.step, report=str(report), processes=processes)
         return report
 
@@ -522,13 +424,9 @@ class Trainer:
         return self.checkpointer.best_step() if self.checkpointer is not None else None
 
     def restore_and_reshard(
-        self,
-        step: int | None = None,
-        *,
-        items: Sequence[str] | None = None,
-        free_live: bool | None = None,
+        self, step: int | None = None, *, items: Sequence[str] | None = None, free_live: bool | None = None,
         max_host_bytes: int | None = None,
-    ) -> RestoreReport:
+    ) -> RestoreReport:  # fmt: skip
         """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time.
 
         ``items`` restores only those objects and keeps the others as they are: ``items=("model", "ema")`` to
@@ -541,16 +439,8 @@ class Trainer:
             raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
         self.init()
         start = time.perf_counter()
-        options = restore_options(
-            self.config,
-            self.checkpointer,
-            step,
-            items,
-            self.states["model"],
-            self._wrt,
-            free_live,
-            max_host_bytes,
-        )
+        model, ckpt = self.states["model"], self.checkpointer
+        options = restore_options(self.config, ckpt, step, items, model, self._wrt, free_live, max_host_bytes)
         report = self.hooks.restore_and_reshard(self.checkpointer, step=step, options=options)
         self.step = report.step
         self.lineage.restored(report.step)
