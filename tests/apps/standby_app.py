@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grain
 import jax
 import numpy as np
@@ -39,10 +41,11 @@ class Seen(RegressionTrainer):
 
 def elastic_off_a_host_and_back(workdir: str) -> dict:
     """3 steps on both processes, 3 on process 0's devices alone (a save at step 5 that process 1 joins), 3 on
-    both again; then a fresh Trainer restores step 5 and trains on. Against a run left alone."""
+    both again, snapshots every 2 steps; then a fresh Trainer restores step 5 and trains on. Against a run
+    left alone."""
     alone = Seen(config("", total_steps=9))
     expected = [h["loss"] for h in alone.train(elastic_data())]
-    trainer = Seen(config(workdir, total_steps=9, save_every=5, save_at_end=False))
+    trainer = Seen(config(workdir, total_steps=9, save_every=5, save_at_end=False, snapshot_every=2))
     data = elastic_data()
     got = {h["step"]: h["loss"] for h in trainer.train(data, steps=3)}
     shards = [trainer.data_shard]
@@ -55,6 +58,10 @@ def elastic_off_a_host_and_back(workdir: str) -> dict:
     shards.append(trainer.data_shard)
     got |= {h["step"]: h["loss"] for h in trainer.train(data)}
     trainer.checkpointer.wait_until_finished()
+    events = (
+        [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")] if jax.process_index() == 0 else []
+    )
+    snapshots = [e["step"] for e in events if e.get("event", "").startswith("snapshot")]
     again = Seen(config(workdir, total_steps=9, save_at_end=False))
     restored = str(again.restore_and_reshard(5))
     resumed = {h["step"]: h["loss"] for h in again.train(elastic_data())}
@@ -70,6 +77,7 @@ def elastic_off_a_host_and_back(workdir: str) -> dict:
         "after_standby": after_standby,
         "restored": restored,
         "steps": trainer.checkpointer.all_steps(),
+        "snapshots": snapshots,
     }
 
 

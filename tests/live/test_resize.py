@@ -111,6 +111,7 @@ def test_a_trainer_resized_off_a_host_and_back_sees_every_example_once(multiproc
     # 2 processes x 2 devices, grain's ElasticIterator, 8 examples a step: 3 steps on both processes, 3 on
     # process 0's devices alone (process 1 on standby joins the save of step 5), 3 on both again. Each step
     # feeds the examples of a run left alone, and the losses match; step 5's checkpoint resumes exactly.
+    # Snapshots every 2 steps pause in between.
     first, second = two_processes(multiprocess, "elastic_off_a_host_and_back", workdir=str(tmp_path / "ckpt"))
     alone = {s: sorted(first["alone_seen"][s] + second["alone_seen"][s]) for s in first["alone_seen"]}
     assert alone == {str(s): list(range(8 * (s - 1), 8 * s)) for s in range(1, 10)}
@@ -124,6 +125,7 @@ def test_a_trainer_resized_off_a_host_and_back_sees_every_example_once(multiproc
     assert second["after_standby"] == [6, "finished", 0] and first["after_standby"] == [6, "finished", 3]
     assert first["there"].startswith("moved from 4 devices (fsdp=4) to 2 devices (fsdp=2)")
     assert first["steps"] == [5] and first["restored"].startswith("restored step 5")
+    assert first["snapshots"] == [2, 8]  # paused while process 1 held no device (4, 6), back after
     for r in (first, second):  # resumed from step 5 with the data position process 1 saved too
         np.testing.assert_allclose(r["resumed"], first["expected"][5:], rtol=2e-5, atol=1e-6)
     for step in map(str, range(6, 10)):
