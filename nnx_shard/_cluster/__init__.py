@@ -11,6 +11,7 @@ from nnx_shard._cluster._distributed import (
 from nnx_shard._cluster._launch import launch
 from nnx_shard._cluster._multihost import (
     DATA_AXES,
+    DEADLINE_EXCEEDED,
     DataShard,
     barrier_sync,
     data_shard,
@@ -21,6 +22,7 @@ from nnx_shard._cluster._tpu import CompileReport, compile_program, hbm_bytes, t
 
 __all__ = [
     "DATA_AXES",
+    "DEADLINE_EXCEEDED",
     "FAILED_AT",
     "PREVIOUS_PROCESSES",
     "STOPPED_AT",

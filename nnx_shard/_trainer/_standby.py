@@ -12,7 +12,6 @@ wait on the standby ones for anything else.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +20,12 @@ import jax
 from jax.sharding import Mesh
 
 from nnx_shard._base import distributed_client
+from nnx_shard._cluster import DEADLINE_EXCEEDED
 from nnx_shard._trainer import _data
 from nnx_shard.errors import DistributedNotInitializedError, StandbyError
 
-logger = logging.getLogger("nnx_shard")
 KEY = "nnx_shard/standby/"
 WAIT_MS = 3_600_000  # one blocking read of the coordination service; a standby process reads again after it
-DEADLINE_EXCEEDED = 4  # absl's StatusCode::kDeadlineExceeded
 
 
 def mesh_processes(mesh: Mesh) -> list[int]:
