@@ -175,6 +175,12 @@ def main() -> None:
     ap.add_argument("--flip", action="store_true", help="on a restart, flip a byte of each snapshot file")
     ap.add_argument("--data", choices=("callable", "elastic", "per-process"), default="callable")
     ap.add_argument("--fault", choices=FAULTS, default="step", help="where --kill strikes (see arm)")
+    ap.add_argument(
+        "--off-host-at",
+        type=int,
+        default=0,
+        help="first run: after STEP, resize onto process 0's devices alone",
+    )
     args = ap.parse_args()
     restart = info.restart if info is not None else 0
     RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")
@@ -210,6 +216,9 @@ def main() -> None:
     if args.hang_at >= 0:
         trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
     data = numbered_data(args.data) if args.data != "callable" else lambda step: batch_for(step, rows=ROWS)
+    if args.off_host_at and restart == 0:  # the others on standby: they join the saves, run no step
+        trainer.train(data, steps=args.off_host_at)
+        trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 0])
     history = trainer.train(data)
     kernel = trainer.states["model"]["out"]["kernel"].get_value()
     result = {

@@ -215,6 +215,25 @@ def test_a_restart_on_fewer_processes_reads_each_example_once_from_where_the_run
     )
 
 
+def test_a_process_lost_on_standby_restarts_the_job_with_each_example_once(tmp_path):
+    # 2 processes: after step 3 the Trainer resizes onto process 0's devices, process 1 is on standby and
+    # joins the saves (step 4); it is killed inside the save of step 6. The job restarts on 1 process
+    # from step 4 and every step feeds the examples of the uninterrupted run.
+    workdir = tmp_path / "job"
+    extra = ("--data", "elastic", "--fault", "save", "--off-host-at", "3")
+    done = run_job(workdir, 2, 4, "1:6", extra=extra, timeout=400)
+    result = finished(workdir, done, "process 1 killed by SIGKILL", 1, 4)
+    assert result["restored_step"] == 4 and "DataPositionWarning" not in done.stderr
+    history, expected = uninterrupted_on_numbered_data(tmp_path)
+    got = {**seen(workdir, 0, range(1, 5)), **seen(workdir, 1, range(5, 9))}
+    assert got == expected
+    standby = [json.loads(line)["step"] for line in (workdir / "seen-0-1.jsonl").read_text().splitlines()]
+    assert standby == [1, 2, 3]  # process 1 read nothing after the resize: process 0 read all 24 rows
+    np.testing.assert_allclose(
+        [result["losses"][str(s)] for s in range(5, 9)], [history[s] for s in range(5, 9)], rtol=1e-4
+    )
+
+
 def test_an_iterator_whose_position_is_per_process_starts_again_with_a_warning(tmp_path):
     workdir = tmp_path / "job"
     done = run_job(workdir, 2, 4, "1:5", extra=("--data", "per-process"))
