@@ -74,12 +74,13 @@ class MLP(nnx.Module):
         return x
 
 
+def train_objects(tx=None) -> dict:
+    """Model, optimizer and EMA of the MLP, built the way users build them (an ``on_init`` factory)."""
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx or optax.adamw(1e-3), wrt=nnx.Param)
+    return {"model": model, "optimizer": optimizer, "ema": nnx.EMA(model, decay=0.99)}
+
+
 def make_train_state(tx=None):
-    """Abstract model, optimizer and EMA built the way users build them."""
-
-    def build():
-        model = MLP(nnx.Rngs(0))
-        opt = nnx.Optimizer(model, tx or optax.adamw(1e-3), wrt=nnx.Param)
-        return model, opt, nnx.EMA(model, decay=0.99)
-
-    return nnx.eval_shape(build)
+    """Abstract model, optimizer and EMA (a tuple) built the way users build them."""
+    return nnx.eval_shape(lambda: tuple(train_objects(tx).values()))

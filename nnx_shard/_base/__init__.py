@@ -27,7 +27,7 @@ from nnx_shard._base._paths import (
     path_str,
     visible,
 )
-from nnx_shard._base._processes import gather_json, holding_processes
+from nnx_shard._base._processes import gather_json, holding_processes, mesh_processes
 from nnx_shard._base._specs import (
     WHOLE,
     Spec,
@@ -85,6 +85,7 @@ __all__ = [
     "is_variable",
     "itemsize",
     "mesh_from_string",
+    "mesh_processes",
     "normalize_spec",
     "parse_bytes",
     "parse_mesh_dims",

@@ -12,6 +12,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from nnx_shard._base._processes import mesh_processes
 from nnx_shard.errors import MeshError
 
 DEFAULT_AXIS_NAMES: tuple[str, ...] = ("dp", "fsdp", "ep", "tp", "sp")
@@ -365,7 +366,7 @@ def check_every_process_in(mesh: Mesh, what: str, how: str) -> None:
 
     >>> check_every_process_in(create_mesh((8,), ("fsdp",)), "a restore", "")  # one process: always in
     """
-    left_out = sorted(set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat})
+    left_out = sorted(set(range(jax.process_count())) - set(mesh_processes(mesh)))
     if left_out:
         names = ", ".join(map(str, left_out))
         raise MeshError(

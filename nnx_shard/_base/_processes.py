@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 
 def gather_json(value: Any) -> list[Any]:
@@ -25,6 +26,17 @@ def gather_json(value: Any) -> list[Any]:
     raw[: data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(raw)).reshape(len(sizes), -1)
     return [json.loads(r[:size].tobytes()) for r, size in zip(rows, sizes, strict=True)]
+
+
+def mesh_processes(mesh: Mesh) -> list[int]:
+    """The processes holding devices of ``mesh``, in order (fewer than ``jax.process_count()`` when it leaves
+    some out, after a resize).
+
+    >>> from nnx_shard import create_mesh
+    >>> mesh_processes(create_mesh((8,), ("fsdp",)))
+    [0]
+    """
+    return sorted({d.process_index for d in mesh.devices.flat})
 
 
 def holding_processes(arrays: Any) -> set[int]:

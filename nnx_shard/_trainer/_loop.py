@@ -317,10 +317,8 @@ class StepLog:
         ] = {}  # examples and tokens dispatched up to each unlogged step
         self.since = (time.perf_counter(), host.step, 0, 0)  # the last log: time, step, examples, tokens
         self.schedule = host.learning_rate_schedule()
-        shard = host.data_shard
-        self.shards = (
-            shard.count if shard is not None else jax.process_count()
-        )  # processes' token counts add up
+        shard = host.data_shard  # the processes reading different rows: their token counts add up
+        self.shards = shard.count if shard is not None else jax.process_count()
 
     def after_dispatch(self, metrics: Any, examples: int, tokens: int | None, end: int) -> None:
         t = self.host

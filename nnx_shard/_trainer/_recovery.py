@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import jax
 import ml_collections
 
+from nnx_shard._base import mesh_processes
 from nnx_shard._checkpoint import (
     Checkpointer,
     Restored,
@@ -157,7 +158,7 @@ def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
     cfg = trainer.config
     if not cfg.snapshot_every:
         return None
-    holding = {d.process_index for d in trainer.hooks.mesh.devices.flat}
+    holding = mesh_processes(trainer.hooks.mesh)
     if len(holding) < jax.process_count():  # a snapshot is a collective of every process, a peer's copy too
         logger.warning(
             "in-memory snapshots pause while the mesh leaves %d of %d processes without devices (Trainer.resize);"

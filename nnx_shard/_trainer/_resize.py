@@ -16,7 +16,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from nnx_shard._cluster import DataShard
+from nnx_shard._base import mesh_processes
+from nnx_shard._cluster import data_shard
 from nnx_shard._trainer import _data, _standby
 from nnx_shard.errors import BatchStructureError, MeshError, StandbyError
 
@@ -46,11 +47,11 @@ class Resizing:
 
     def moved(self, old: Mesh, new: Mesh, data_moved: bool) -> list[int]:
         """After the state moved from ``old`` to ``new``: the processes holding ``new``."""
-        processes = _standby.mesh_processes(new)
+        processes = mesh_processes(new)
         self.resizes += 1
         left_out = len(processes) < jax.process_count()
         self.relay = _standby.Relay(self.resizes, processes) if left_out else None
-        if len(_standby.mesh_processes(old)) == jax.process_count():
+        if len(mesh_processes(old)) == jax.process_count():
             self.whole_mesh = old
         if not left_out:
             self.whole_mesh = new
@@ -68,12 +69,14 @@ class Resizing:
                 f"joins the saves; or resize back onto a mesh with its devices."
             )
 
-    def check_rows(self, batch: Any, shard: DataShard | None) -> None:
-        """Refuses the first global batch after a resize that moved the data when its rows changed."""
+    def check_rows(self, batch: Any, mesh: Mesh) -> None:
+        """Refuses the first global batch after a resize that moved the data when its rows changed (on every
+        step: the shard is worked out only for the error)."""
         self.rows = _data.examples(batch)
         if self.rows_before is None:
             return
         rows, self.rows_before = self.rows_before, None
+        shard = data_shard(mesh)
         if self.rows != rows and shard is not None:
             raise BatchStructureError(
                 f"the global batch has {self.rows} rows after the resize and had {rows} before it: the data is "

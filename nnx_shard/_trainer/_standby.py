@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from nnx_shard._base import distributed_client
 from nnx_shard._cluster import DEADLINE_EXCEEDED
@@ -26,11 +25,6 @@ from nnx_shard.errors import DistributedNotInitializedError, StandbyError
 
 KEY = "nnx_shard/standby/"
 WAIT_MS = 3_600_000  # one blocking read of the coordination service; a standby process reads again after it
-
-
-def mesh_processes(mesh: Mesh) -> list[int]:
-    """The processes holding devices of ``mesh``, in order."""
-    return sorted({d.process_index for d in mesh.devices.flat})
 
 
 @dataclass

@@ -273,7 +273,7 @@ class Trainer:
         step of a batch signature compiles; JAX's compile-time events say how long (a ``compile`` event)."""
         self.init()
         self._resizing.refuse("run a step", self.mesh)
-        self._resizing.check_rows(batch, self.data_shard)
+        self._resizing.check_rows(batch, self.mesh)
         fresh = not self._steps.is_compiled(batch)
         before = COMPILE_CLOCK.seconds
         states, metrics = self._steps.run(self.hooks.states(), batch)

@@ -177,21 +177,11 @@ def hooks_across_hosts(workdir: str):
     """Worker: ShardingHooks move model, optimizer and EMA onto process 0's devices alone and back, in the
     processes: process 1 holds no shard meanwhile and process 0 holds every value, unchanged. A restore onto
     process 0's devices alone is refused first, the live state untouched."""
-    import optax
-    from flax import nnx
     from jax.experimental import multihost_utils
 
-    from tests.helpers import MLP, no_host_transfers
+    from tests.helpers import no_host_transfers, train_objects
 
     strategy = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
-
-    def create():
-        model = MLP(nnx.Rngs(0))
-        return {
-            "model": model,
-            "optimizer": nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param),
-            "ema": nnx.EMA(model, decay=0.99),
-        }
 
     def arrays():
         flat = jax.tree_util.tree_flatten_with_path(hooks.states())[0]
@@ -204,7 +194,7 @@ def hooks_across_hosts(workdir: str):
 
     everywhere = ns.create_mesh((-1,), ("fsdp",))
     hooks = ns.ShardingHooks(strategy, everywhere)
-    objects = hooks.on_init(create)
+    objects = hooks.on_init(train_objects)
     before = {k: np.asarray(multihost_utils.process_allgather(x, tiled=True)) for k, x in arrays().items()}
     first = [d for d in jax.devices() if d.process_index == 0]
     with ns.Checkpointer(workdir, async_save=False) as ckpt:
