@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import os
@@ -11,6 +12,10 @@ from pathlib import Path
 
 HEARTBEAT_S = 10
 SHUTDOWN_S = 10
+# Once its result is written, a process that has not left after this long is stuck in the
+# runtime's teardown: it prints every thread's stack and exits with EXIT_HUNG (see WorkerResult).
+EXIT_S = 45
+EXIT_HUNG_MARK = "Timeout ("  # how faulthandler's dump begins
 
 
 def main() -> int:
@@ -40,6 +45,7 @@ def main() -> int:
     tmp = Path(out + ".tmp")
     tmp.write_text(json.dumps(result, default=str))
     tmp.rename(out)
+    faulthandler.dump_traceback_later(EXIT_S, exit=True, file=sys.stderr)
     # Leave together: a process that exits first breaks the others' collectives.
     try:
         jax.distributed.shutdown()
