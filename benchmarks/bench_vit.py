@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--real-devices", action="store_true")
+    ap.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds of each loop")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not args.real_devices:
@@ -39,7 +41,7 @@ def main() -> None:
     from examples.vit.trainer import ViTTrainer
 
     cfg = get_config(args.config)
-    batch_size, steps, rounds = (16, 3, 2) if args.smoke else (args.batch, 20, 7)
+    batch_size, steps, rounds = (16, 3, 2) if args.smoke else (args.batch, args.steps, args.rounds)
 
     def loss(model, batch):
         logits = model(batch["images"])

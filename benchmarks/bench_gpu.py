@@ -1,0 +1,334 @@
+"""The accelerator JAX finds (a GPU): the ViT example, a Trainer step against a hand-written jit step,
+sharded creation against init-then-``jax.device_put``, and a restore against plain Orbax.
+
+Question: do the CPU figures of RESULTS.md hold on a real accelerator, and does the compiler's own
+memory report (``memory_analysis()``) say what the device's allocator then holds
+(``device.memory_stats()["peak_bytes_in_use"]``)?
+
+Each part runs in a fresh process of this script, so each allocator peak is its own part's:
+- ``example``: ``examples/vit/train.py --config b16,synthetic --real-devices``, then a resume from its
+  checkpoint (restore_and_reshard on the device);
+- ``vit``: ``bench_vit.py --real-devices``: the example's Trainer against a hand-written jit step;
+- ``step``: the MLP of ``bench_step.py`` (model + adamw + EMA, donated) at GPU sizes, the same
+  comparison, and the Trainer's ``compile_report`` peak against ``memory_stats`` while it trains;
+- ``create_sharded`` / ``device_put``: a model + adamw + EMA stack created in its shardings, or built
+  whole and then placed; seconds and the allocator's peak;
+- ``save``, then ``restore_nnx_shard`` / ``restore_orbax``: ``ShardingHooks.restore_and_reshard``
+  (verified) against plain Orbax into the same shardings.
+
+    python benchmarks/bench_gpu.py --out results/bench_gpu.json           # on a GPU host
+    python benchmarks/bench_gpu.py --parts step,create_sharded,device_put  # some parts only
+    python benchmarks/bench_gpu.py --smoke                                  # tiny, on 2 CPU devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PARTS = (  # the quick ones first
+    "step",
+    "create_sharded",
+    "device_put",
+    "save",
+    "restore_nnx_shard",
+    "restore_orbax",
+    "example",
+    "vit",
+)
+PART_TIMEOUT_S = 300
+REPORTED = ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "state_bytes", "batch_bytes")
+STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+
+def sizes(smoke: bool) -> dict[str, object]:
+    if smoke:
+        return dict(vit_config="tiny", vit_batch=16, vit_steps=3, vit_rounds=2, width=64, depth=2, rows=16,
+                    steps=3, rounds=2, layers=2, stack_width=256, example_steps=4)  # fmt: skip
+    return dict(vit_config="b16", vit_batch=128, vit_steps=10, vit_rounds=5, width=4096, depth=8, rows=1024,
+                steps=20, rounds=5, layers=8, stack_width=4096, example_steps=20)  # fmt: skip
+
+
+def allocator() -> dict[str, int] | None:
+    """``memory_stats()`` of the first device, or None where the backend keeps none (the CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
+def part_example(s: dict, work: Path) -> dict:
+    """The bundled example on the real devices, then resumed from its checkpoint (a restore on the device)."""
+    config = s["vit_config"] if s["vit_config"] == "tiny" else f"{s['vit_config']},synthetic"
+    out = {}
+    for name, extra in (("train", []), ("resume", ["--resume"])):
+        steps = s["example_steps"] * (1 if name == "train" else 2)
+        cmd = [sys.executable, str(ROOT / "examples" / "vit" / "train.py"), "--config", config, "--real-devices",
+               "--workdir", str(work / "vit"), "--steps", str(steps), "--progress", "off", *extra]  # fmt: skip
+        t = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        seconds = time.perf_counter() - t
+        if done.returncode:
+            raise RuntimeError(f"example {name} failed:\n{done.stderr[-3000:]}")
+        line = next(x for x in done.stdout.splitlines() if x.startswith("SUMMARY "))
+        summary = json.loads(line.removeprefix("SUMMARY "))
+        out[name] = {
+            "wall_s": round(seconds, 2),
+            "devices": summary["devices"],
+            "mesh": summary["mesh"],
+            "start_step": summary["start_step"],
+            "final_step": summary["final_step"],
+            "first_loss": summary["losses"][0] if summary["losses"] else None,
+            "last_loss": summary["losses"][-1] if summary["losses"] else None,
+            "restore": summary.get("restore"),
+        }
+    return out
+
+
+def part_vit(s: dict, work: Path) -> dict:
+    out = work / "vit.json"
+    cmd = [sys.executable, str(HERE / "bench_vit.py"), "--real-devices", "--config", s["vit_config"],
+           "--batch", str(s["vit_batch"]), "--steps", str(s["vit_steps"]), "--rounds", str(s["vit_rounds"]),
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=os.environ.copy())
+    if done.returncode:
+        raise RuntimeError(f"bench_vit failed:\n{done.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result.pop("machine", None)
+    return result
+
+
+def part_step(s: dict, work: Path) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(HERE))
+    from bench_step import quiet_trainer
+    from common import hand_written_step, interleaved_timing
+
+    n = jax.device_count()
+    trainer, batch = quiet_trainer(
+        s["width"], s["depth"], s["rows"], mesh=f"fsdp:{n}", workdir=str(work / "step")
+    )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    report = trainer.compile_report(jax.devices(), abstract)  # on abstract state: allocates nothing
+    trainer.init()
+    before = allocator()
+    trainer.train(lambda step: batch, steps=3)
+    jax.block_until_ready(trainer.states)
+    during = allocator()  # before the hand-written step's copy of the state exists
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    jitted, states = hand_written_step(trainer, batch, loss)
+    ours, theirs, diff = interleaved_timing(trainer, batch, jitted, states, s["steps"], s["rounds"])
+    result = {
+        "params": sum(x.size for x in jax.tree.leaves(trainer.states["model"])),
+        "batch": s["rows"],
+        "width_depth": [s["width"], s["depth"]],
+        "trainer_step_ms": round(1e3 * ours, 3),
+        "hand_jit_step_ms": round(1e3 * theirs, 3),
+        "ratio": round(ours / theirs, 3),
+        "max_param_diff_vs_hand": diff,
+        "compile_report": {k: getattr(report, k) for k in REPORTED},
+    }
+    if during is not None:
+        result["memory_stats_before_steps"] = before
+        result["memory_stats_after_3_steps"] = during
+        result["peak_over_compile_report"] = round(during["peak_bytes_in_use"] / report.peak_bytes, 3)
+    return result
+
+
+def _stack(s: dict):
+    sys.path.insert(0, str(HERE))
+    from common import stack_state_factory
+
+    return stack_state_factory(s["layers"], s["stack_width"])
+
+
+def part_create(s: dict, work: Path, variant: str) -> dict:
+    import jax
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
+    create = _stack(s)
+    t = time.perf_counter()
+    result: dict[str, object] = {}
+    if variant == "create_sharded":
+        init, _abstract, plan = ns.sharded_init_fn(create, STRATEGY, mesh)
+        memory = init.lower().compile().memory_analysis()
+        states = jax.block_until_ready(init())
+        result["compile_peak_bytes"] = (
+            memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes
+        )  # fmt: skip
+    else:  # what a user writes without nnx_shard: build whole on the default device, then place
+        objects = create()
+        plan = ns.plan_sharding(objects, STRATEGY, mesh)
+        states = jax.block_until_ready(
+            jax.device_put({k: nnx.state(o) for k, o in objects.items()}, plan.shardings)
+        )
+        del objects
+    result["seconds"] = round(time.perf_counter() - t, 3)
+    result["state_bytes"] = plan.total_bytes
+    result["state_bytes_per_device"] = plan.bytes_per_device
+    result["memory_stats"] = allocator()
+    result["checksum"] = float(jax.numpy.sum(states["model"]["layers"][0]["kernel"].get_value()))
+    return result
+
+
+def part_save(s: dict, work: Path) -> dict:
+    import jax
+
+    import nnx_shard as ns
+
+    mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
+    hooks = ns.ShardingHooks(STRATEGY, mesh)
+    hooks.on_init(_stack(s))
+    with ns.Checkpointer(str(work / "ckpt"), async_save=False) as ckpt:
+        t = time.perf_counter()
+        hooks.save(ckpt, 1)
+        seconds = time.perf_counter() - t
+    kernel = hooks.states()["model"]["layers"][0]["kernel"]
+    return {
+        "seconds": round(seconds, 3),
+        "state_bytes": hooks.plan.total_bytes,
+        "checksum": float(jax.numpy.sum(kernel)),
+    }
+
+
+def part_restore(s: dict, work: Path, variant: str) -> dict:
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
+    abstract = nnx.eval_shape(_stack(s))
+    shardings = ns.infer_sharding(abstract, STRATEGY, mesh)
+    t = time.perf_counter()
+    if variant == "restore_nnx_shard":
+        hooks = ns.ShardingHooks(STRATEGY, mesh)
+        hooks.adopt(abstract)  # nothing allocated before the read
+        report = str(hooks.restore_and_reshard(ns.Checkpointer(str(work / "ckpt"))))  # content verified
+        states = hooks.states()
+    else:  # plain Orbax into the same shardings, the target built by hand
+        report = ""
+        target = ns.abstract_target({k: nnx.state(v) for k, v in abstract.items()}, shardings)
+        restore = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+        )
+        with ocp.CheckpointManager(str(work / "ckpt")) as mgr:
+            states = mgr.restore(1, args=ocp.args.Composite(state=restore))["state"]
+    jax.block_until_ready(states)
+    seconds = time.perf_counter() - t
+    kernel = states["model"]["layers"][0]["kernel"]
+    kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
+    return {"seconds": round(seconds, 3), "memory_stats": allocator(), "checksum": float(jax.numpy.sum(kernel)),
+            "report": report}  # fmt: skip
+
+
+def run_part(part: str, s: dict, work: Path) -> dict:
+    if part == "example":
+        return part_example(s, work)
+    if part == "vit":
+        return part_vit(s, work)
+    if part == "step":
+        return part_step(s, work)
+    if part in ("create_sharded", "device_put"):
+        return part_create(s, work, part)
+    if part == "save":
+        return part_save(s, work)
+    return part_restore(s, work, part)
+
+
+def summarize(parts: dict) -> dict:
+    """The ratios RESULTS.md records, from whichever parts ran."""
+    out: dict[str, object] = {}
+    ok = lambda k: k in parts and "error" not in parts[k]
+    if ok("step"):
+        out["trainer_over_hand_jit"] = parts["step"]["ratio"]
+        out["allocator_peak_over_compile_report"] = parts["step"].get("peak_over_compile_report")
+    if ok("vit"):
+        out["vit_trainer_over_hand_jit"] = parts["vit"]["ratio_trainer_time_over_hand"]
+    if ok("create_sharded") and ok("device_put"):
+        a, b = parts["create_sharded"], parts["device_put"]
+        out["create_sharded_over_device_put_s"] = round(a["seconds"] / b["seconds"], 3)
+        if a["memory_stats"] and b["memory_stats"]:
+            peak = lambda r: r["memory_stats"]["peak_bytes_in_use"]
+            out["create_sharded_over_device_put_peak"] = round(peak(a) / peak(b), 3)
+            out["create_sharded_peak_over_compile_report"] = round(peak(a) / a["compile_peak_bytes"], 3)
+        out["same_values"] = a["checksum"] == b["checksum"]
+    if ok("restore_nnx_shard") and ok("restore_orbax"):
+        a, b = parts["restore_nnx_shard"], parts["restore_orbax"]
+        out["restore_over_orbax_s"] = round(a["seconds"] / b["seconds"], 3)
+        out["restore_same_values"] = a["checksum"] == b["checksum"] == parts.get("save", {}).get("checksum")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on 2 simulated CPU devices")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    else:  # whatever JAX finds, also where a module imported here would ask for the CPU (bench_step)
+        os.environ.setdefault("JAX_PLATFORMS", "")
+    s = sizes(args.smoke)
+    if args.part:  # one part, in this fresh process: its JSON on the last line
+        print(json.dumps(run_part(args.part, s, Path(args.work)), default=str))
+        return
+    sys.path.insert(0, str(HERE))
+    from common import machine, write_json
+
+    parts: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for part in args.parts.split(","):
+            cmd = [sys.executable, __file__, "--part", part, "--work", work] + (
+                ["--smoke"] if args.smoke else []
+            )
+            t = time.perf_counter()
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=PART_TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:
+                parts[part] = {"error": f"timed out after {PART_TIMEOUT_S} s:\n{(e.stderr or b'')[-3000:]!r}"}
+            else:  # the others still run: one part's failure is reported, not fatal
+                ok = done.returncode == 0
+                parts[part] = (
+                    json.loads(done.stdout.strip().splitlines()[-1]) if ok else {"error": done.stderr[-4000:]}
+                )
+            parts[part]["part_wall_s"] = round(time.perf_counter() - t, 1)
+            print(f"{part}: {json.dumps(parts[part], default=str)[:600]}", file=sys.stderr, flush=True)
+            if args.out:  # what has run so far, should a later part outlast the caller's patience
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({"sizes": s, "parts": parts}, indent=1, default=str))
+    result = {
+        "benchmark": "bench_gpu",
+        "machine": machine(),
+        "sizes": s,
+        "summary": summarize(parts),
+        "parts": parts,
+    }
+    write_json(result, args.out)
+    if any("error" in p for p in parts.values()):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
