@@ -174,8 +174,22 @@ def check_resize_hosts(result):
     assert 0 < saves["copy"] < saves["while_off"] and saves["on_whole_mesh"] > 0
 
 
+def check_gpu(result):
+    # the quick parts, each in its own process, on 2 CPU devices here: nothing failed, the values agree bit
+    # for bit (sharded creation with init-then-place, both restores with the save), and the compile report
+    # has the step's peak; the CPU keeps no allocator statistics, so that comparison is left out, not faked
+    parts, summary = result["parts"], result["summary"]
+    assert all("error" not in p for p in parts.values()), parts
+    assert summary["same_values"] is True and summary["restore_same_values"] is True
+    step = parts["step"]
+    assert step["compile_report"]["peak_bytes"] >= step["compile_report"]["state_bytes"] > 0
+    assert summary["trainer_over_hand_jit"] > 0 and summary["restore_over_orbax_s"] > 0
+    assert parts["create_sharded"]["memory_stats"] is None and summary["allocator_peak_over_compile_report"] is None
+
+
 BENCHMARKS = {
     "create": check_create,
+    "gpu": check_gpu,
     "resize_hosts": check_resize_hosts,
     "suggest": check_suggest,
     "load": check_load,
