@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -12,7 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from nnx_shard._base import gather_json
 from nnx_shard._cluster import DataShard, data_sharding, host_local_to_global
@@ -194,8 +195,13 @@ def gather_states(state: Any) -> list[Any]:
 def signature(batch: Any) -> tuple[Any, tuple[Any, ...]]:
     """A batch's structure and leaf shapes and dtypes: one compiled step per signature."""
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    dtype = lambda x: x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return treedef, tuple((tuple(np.shape(x)), str(dtype(x))) for x in leaves)
+    return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        x = np.asarray(x)
+    return tuple(x.shape), x.dtype
 
 
 def check_structure(first: Any, batch_signature: Any) -> None:
@@ -210,7 +216,8 @@ def check_structure(first: Any, batch_signature: Any) -> None:
 def examples(batch: Any) -> int:
     """Rows of a (global) batch: the leading dimension of its first leaf."""
     leaves = jax.tree.leaves(batch)
-    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
+    shape = np.shape(leaves[0]) if leaves else ()
+    return int(shape[0]) if shape else 0
 
 
 def tokens(batch: Any) -> int | None:
@@ -245,9 +252,14 @@ def host_scalars(values: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _batch_sharding(mesh: Mesh) -> NamedSharding:
+    return data_sharding(mesh)  # asked on every step, for the few meshes a run has
+
+
 def global_batch(batch: Any, mesh: Mesh) -> Any:
     """A host-local batch (numpy) as a global batch on ``mesh``'s data axes; global arrays there pass through."""
-    target = data_sharding(mesh)
+    target = _batch_sharding(mesh)
     leaves = jax.tree.leaves(batch)
     if leaves and all(isinstance(x, jax.Array) and x.sharding == target for x in leaves):
         return batch

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -113,7 +114,7 @@ class Verdict:
 
 def read(guard: dict[str, Any], step: int, mode: str, max_consecutive: int) -> Verdict:
     """Reads the counters after ``step`` on the host (a scalar each, from this process's copy)."""
-    bad = int(jax.device_get(guard["bad"].addressable_shards[0].data))
+    bad = int(np.asarray(guard["bad"].addressable_data(0)))
     if bad == 0:
         return Verdict(False)
     first = step - bad + 1

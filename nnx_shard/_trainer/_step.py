@@ -66,8 +66,9 @@ class CompiledSteps:
         """After a restore: the restored state is finite and applied; nothing is pending."""
         self._counters = None
 
-    def is_compiled(self, batch: Any) -> bool:
-        return _data.signature(batch) in self._compiled
+    def is_compiled(self, signature: Any) -> bool:
+        """Whether a step for this batch signature (:func:`_data.signature`) exists already."""
+        return signature in self._compiled
 
     @property
     def counters(self) -> dict[str, Any]:
@@ -109,9 +110,12 @@ class CompiledSteps:
             "donate_argnums": 0,
         }
 
-    def get(self, batch: Any) -> Any:
-        """The jitted step for this batch's signature (compiled on first use; a changed structure raises)."""
-        sig = _data.signature(batch)
+    def get(self, batch: Any, sig: Any = None) -> Any:
+        """The jitted step for this batch's signature (compiled on first use; a changed structure raises).
+
+        ``sig`` is the batch's :func:`_data.signature` when the caller has it already (once per step).
+        """
+        sig = _data.signature(batch) if sig is None else sig
         _data.check_structure(self._first_signature, sig)
         self._first_signature = self._first_signature or sig
         if sig not in self._compiled:
@@ -119,10 +123,10 @@ class CompiledSteps:
             self._compiled[sig] = jax.jit(fn, **kwargs)
         return self._compiled[sig]
 
-    def run(self, states: dict[str, Any], batch: Any) -> tuple[dict[str, Any], Any]:
+    def run(self, states: dict[str, Any], batch: Any, sig: Any = None) -> tuple[dict[str, Any], Any]:
         """One step on a global batch: ``(new states, metrics)``; ``states`` are donated."""
         with on_mesh(self.mesh):
-            states, self._counters, metrics = self.get(batch)(states, self.counters, batch)
+            states, self._counters, metrics = self.get(batch, sig)(states, self.counters, batch)
         return states, metrics
 
 

@@ -274,12 +274,12 @@ class Trainer:
         self.init()
         self._resizing.refuse("run a step", self.mesh)
         self._resizing.check_rows(batch, self.mesh)
-        fresh = not self._steps.is_compiled(batch)
-        before = COMPILE_CLOCK.seconds
-        states, metrics = self._steps.run(self.hooks.states(), batch)
+        sig = _data.signature(batch)  # once a step: the host's work per step is what small steps wait on
+        fresh, before = not self._steps.is_compiled(sig), COMPILE_CLOCK.seconds
+        states, metrics = self._steps.run(self.hooks.states(), batch, sig)
         self.hooks.update(states)
         if fresh:
-            shapes = str([s for s, _ in _data.signature(batch)[1]])
+            shapes = str([s for s, _ in sig[1]])
             self.observer.event("compile", COMPILE_CLOCK.seconds - before, self.step, shapes=shapes)
         return metrics
 
