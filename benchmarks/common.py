@@ -45,13 +45,16 @@ def write_json(result: dict[str, object], out: str | None) -> None:
         Path(out).write_text(text)
 
 
-def step_args():
-    """``--smoke``/``--out`` and the step benchmarks' sizes: ``(args, (width, depth, rows, steps, rounds))``."""
+def step_args(*flags: str):
+    """``--smoke``/``--out`` (and each of ``flags`` as an on/off option) and the step benchmarks' sizes:
+    ``(args, (width, depth, rows, steps, rounds))``."""
     import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
+    for flag in flags:
+        ap.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     return args, ((64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9))
 

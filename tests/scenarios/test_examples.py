@@ -108,6 +108,9 @@ def check_idioms(r):
 def check_step(result):
     ratio_of(result, "ratio", "trainer_step_ms", "hand_jit_step_ms")
     assert result["max_param_diff_vs_hand"] < 1e-5  # the same steps as the hand-written loop
+    tiny = result["host_bound"]  # a step that is all dispatch, on one device: the host's work per step
+    ratio_of(tiny, "ratio", "trainer_step_ms", "hand_jit_step_ms")
+    assert abs(tiny["host_overhead_ms"] - (tiny["trainer_step_ms"] - tiny["hand_jit_step_ms"])) < 1e-3
 
 
 def check_restore(result):
@@ -184,7 +187,10 @@ def check_gpu(result):
     step = parts["step"]
     assert step["compile_report"]["peak_bytes"] >= step["compile_report"]["state_bytes"] > 0
     assert summary["trainer_over_hand_jit"] > 0 and summary["restore_over_orbax_s"] > 0
-    assert parts["create_sharded"]["memory_stats"] is None and summary["allocator_peak_over_compile_report"] is None
+    assert (
+        parts["create_sharded"]["memory_stats"] is None
+        and summary["allocator_peak_over_compile_report"] is None
+    )
 
 
 BENCHMARKS = {
