@@ -67,7 +67,8 @@ def format_line(record: dict[str, float], end: int | None = None) -> str:
 
 
 class Observer:
-    """Sends records and events to the terminal or stdout, ``metrics.jsonl`` and TensorBoard (process 0).
+    """Sends records and events to the terminal or stdout, ``metrics.jsonl`` and TensorBoard (from the
+    mesh's first process: see :meth:`write_from`).
 
     Args:
       workdir: where ``metrics.jsonl`` and ``tensorboard/`` go (None: nowhere).
@@ -87,6 +88,13 @@ class Observer:
         self._end: int | None = None
         self.mode = "lines"  # "bar", "lines" or "off", chosen by start(); events before it are lines
         self.timings: collections.Counter[str] = collections.Counter()  # seconds per event name
+
+    def write_from(self, writes: bool) -> None:
+        """Whether this process writes (the first process of the mesh: process 0, unless a resize left it out,
+        when the first process that trains writes until it is back). Takes effect at the next ``train()``."""
+        if self.main and not writes:
+            self.close()
+        self.main = writes
 
     def start(self, step: int, end: int) -> None:
         """Opens the bar (on a terminal) for a ``train()`` call from ``step`` to ``end``."""

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from nnx_shard._base import mesh_processes
 from nnx_shard._cluster import data_shard
 from nnx_shard._trainer import _data, _standby
+from nnx_shard._trainer._observe import Observer
 from nnx_shard.errors import BatchStructureError, MeshError, StandbyError
 
 Records = list[dict[str, float]]
@@ -45,9 +46,11 @@ class Resizing:
         """Whether this process tells the standby ones (the first process of a mesh that leaves some out)."""
         return self.relay is not None and self.relay.leader
 
-    def moved(self, old: Mesh, new: Mesh, data_moved: bool) -> list[int]:
-        """After the state moved from ``old`` to ``new``: the processes holding ``new``."""
+    def moved(self, old: Mesh, new: Mesh, data_moved: bool, observer: Observer) -> list[int]:
+        """After the state moved from ``old`` to ``new``: the processes holding ``new``. Its first process
+        writes the run's records from now on."""
         processes = mesh_processes(new)
+        observer.write_from(jax.process_index() == processes[0])
         self.resizes += 1
         left_out = len(processes) < jax.process_count()
         self.relay = _standby.Relay(self.resizes, processes) if left_out else None

@@ -392,7 +392,7 @@ class Trainer:
         old, before = self.mesh, self.data_shard
         report = self.hooks.on_mesh_change(new, donate=donate)
         self._compile_for(self._steps.moved(new, self.hooks.plan))  # compiled for the old shardings
-        processes = self._resizing.moved(old, new, data_moved=self.data_shard != before)
+        processes = self._resizing.moved(old, new, self.data_shard != before, self.observer)
         self.observer.event("resize", report.seconds, self.step, report=str(report), processes=processes)
         return report
 

@@ -138,3 +138,28 @@ def preempted_on_standby(workdir: str) -> dict:
     trainer.train(data)
     trainer.checkpointer.wait_until_finished()
     return {"step": trainer.step, "reason": trainer.stop_reason, "steps": trainer.checkpointer.all_steps()}
+
+
+def off_process_0_and_back(workdir: str) -> dict:
+    """2 steps on both processes, 2 on process 1's devices alone (process 0, which hosts JAX's coordination
+    service, on standby; a save at step 3), 2 on both again. The run's records (metrics.jsonl) are written by
+    the first process of the mesh: process 1 while process 0 is left out."""
+    alone = RegressionTrainer(config("", total_steps=6))
+    expected = [h["loss"] for h in alone.train(elastic_data())]
+    trainer = RegressionTrainer(config(workdir, total_steps=6, save_every=3, save_at_end=False))
+    data = elastic_data()
+    got = {h["step"]: h["loss"] for h in trainer.train(data, steps=2)}
+    trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 1])
+    got |= {h["step"]: h["loss"] for h in trainer.train(data, steps=2)}
+    trainer.resize("fsdp:-1")
+    got |= {h["step"]: h["loss"] for h in trainer.train(data)}
+    trainer.checkpointer.wait_until_finished()
+    ns.barrier_sync("records written")
+    lines = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+    return {
+        "expected": expected,
+        "got": [got.get(s) for s in range(1, 7)],
+        "steps": trainer.checkpointer.all_steps(),
+        "records": [r["step"] for r in lines if "event" not in r and "loss" in r],
+        "events": [(r["event"], r["step"]) for r in lines if "event" in r],
+    }

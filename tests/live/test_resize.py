@@ -141,6 +141,22 @@ def test_a_preemption_while_a_process_is_on_standby_saves_and_stops_both(multipr
 
 
 @pytest.mark.multihost
+def test_a_trainer_resized_off_process_0_logs_from_the_process_that_trains(multiprocess, tmp_path):
+    # process 0, which hosts JAX's coordination service, on standby for steps 3-4 (a save at step 3): the
+    # losses are a run left alone's, and metrics.jsonl has every step's record and every event once, the
+    # off steps' written by process 1 (before, they were missing: only process 0 wrote)
+    first, second = two_processes(multiprocess, "off_process_0_and_back", workdir=str(tmp_path / "ckpt"))
+    np.testing.assert_allclose(second["got"], second["expected"], rtol=2e-5, atol=1e-6)
+    assert first["got"][2:4] == [None, None]  # process 0 trained nothing on standby
+    assert first["steps"] == second["steps"] == [3, 6]
+    assert first["records"] == [1, 2, 3, 4, 5, 6]
+    events = [tuple(e) for e in first["events"]]
+    assert [s for e, s in events if e == "save"] == [3, 6]  # once each, though both processes wrote them
+    assert [s for e, s in events if e == "resize"] == [2, 4]
+    assert [s for e, s in events if e == "train"] == [2, 4, 6]  # the call on process 1's devices included
+
+
+@pytest.mark.multihost
 def test_step_callables_follow_the_data_shard_across_a_resize_off_a_host(multiprocess):
     first, second = two_processes(multiprocess, "callables_off_a_host")
     np.testing.assert_allclose(first["got"], first["expected"], rtol=2e-5, atol=1e-6)
