@@ -169,34 +169,24 @@ def _stack(s: dict):
 
 def part_create(s: dict, work: Path, variant: str) -> dict:
     import jax
-    from flax import nnx
+    from common import create_state
 
     import nnx_shard as ns
 
     mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
     create = _stack(s)
     t = time.perf_counter()
-    result: dict[str, object] = {}
-    if variant == "create_sharded":
-        init, _abstract, plan = ns.sharded_init_fn(create, STRATEGY, mesh)
-        memory = init.lower().compile().memory_analysis()
-        states = jax.block_until_ready(init())
+    states, plan, memory = create_state(variant, create, STRATEGY, mesh)
+    result: dict[str, object] = {"seconds": round(time.perf_counter() - t, 3)}
+    if memory is not None:  # the peak XLA expects: arguments + outputs - donated aliases + temporaries
         result["compile_peak_bytes"] = (
             memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
             + memory.temp_size_in_bytes
         )  # fmt: skip
-    else:  # what a user writes without nnx_shard: build whole on the default device, then place
-        objects = create()
-        plan = ns.plan_sharding(objects, STRATEGY, mesh)
-        states = jax.block_until_ready(
-            jax.device_put({k: nnx.state(o) for k, o in objects.items()}, plan.shardings)
-        )
-        del objects
-    result["seconds"] = round(time.perf_counter() - t, 3)
     result["state_bytes"] = plan.total_bytes
     result["state_bytes_per_device"] = plan.bytes_per_device
     result["memory_stats"] = allocator()
-    result["fingerprint"] = fingerprint(states["model"]["layers"][0]["kernel"].get_value())
+    result["fingerprint"] = fingerprint(states["model"]["layers"][0]["kernel"])
     return result
 
 

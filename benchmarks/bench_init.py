@@ -17,6 +17,7 @@ import json
 import time
 
 from common import (
+    create_state,
     machine,
     peak_rss_bytes,
     run_variants,
@@ -33,7 +34,6 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     simulate_devices(8)
     import jax
     import numpy as np
-    from flax import nnx
 
     import nnx_shard as ns
 
@@ -42,18 +42,10 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     base_rss = peak_rss_bytes()
     start = time.perf_counter()
     result: dict[str, object] = {}
-    if variant == "create_sharded":
-        init, _abstract, plan = ns.sharded_init_fn(create, STRATEGY, mesh)
-        memory = init.lower().compile().memory_analysis()
-        states = jax.block_until_ready(init())
+    states, plan, memory = create_state(variant, create, STRATEGY, mesh)
+    if memory is not None:
         result["xla_output_bytes_per_device"] = memory.output_size_in_bytes
         result["xla_temp_bytes_per_device"] = memory.temp_size_in_bytes
-    else:
-        objects = create()  # unsharded, on the default device
-        states = {k: nnx.state(o) for k, o in objects.items()}
-        plan = ns.plan_sharding(objects, STRATEGY, mesh)
-        states = jax.block_until_ready(jax.device_put(states, plan.shardings))
-        del objects
     seconds = time.perf_counter() - start
     per_device: dict[object, int] = {}
     for x in jax.live_arrays():

@@ -250,3 +250,24 @@ def no_host_transfers(jax):
     stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
     stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
     return stack
+
+
+def create_state(variant: str, create, strategy, mesh):
+    """The two ways to a sharded state that bench_init and bench_gpu compare: ``"create_sharded"`` (one jitted
+    init straight into the shardings) or anything else: build whole on the default device, then
+    ``jax.device_put``, what a user writes without nnx_shard. Returns ``(states, plan, memory_analysis)``, the
+    last None for the second way; the states are ready."""
+    import jax
+    from flax import nnx
+
+    import nnx_shard as ns
+
+    if variant == "create_sharded":
+        init, _abstract, plan = ns.sharded_init_fn(create, strategy, mesh)
+        memory = init.lower().compile().memory_analysis()
+        return jax.block_until_ready(init()), plan, memory
+    objects = create()  # unsharded, on the default device
+    plan = ns.plan_sharding(objects, strategy, mesh)
+    states = jax.device_put({k: nnx.state(o) for k, o in objects.items()}, plan.shardings)
+    del objects
+    return jax.block_until_ready(states), plan, None
