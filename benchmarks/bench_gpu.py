@@ -14,7 +14,9 @@ Each part runs in a fresh process of this script, so each allocator peak is its 
 - ``create_sharded`` / ``device_put``: a model + adamw + EMA stack created in its shardings, or built
   whole and then placed; seconds and the allocator's peak;
 - ``save``, then ``restore_nnx_shard`` / ``restore_orbax``: ``ShardingHooks.restore_and_reshard``
-  (verified) against plain Orbax into the same shardings.
+  (verified) against plain Orbax into the same shardings;
+- ``vit_init`` / ``vit_init_threefry_kernel``: the compile of the ViT example's sharded init alone (it took
+  over 140 s on an H200, 4 s on a CPU), then again with JAX's ``jax_threefry_gpu_kernel_lowering``.
 
     python benchmarks/bench_gpu.py --out results/bench_gpu.json           # on a GPU host
     python benchmarks/bench_gpu.py --parts step,create_sharded,device_put  # some parts only
@@ -41,11 +43,13 @@ PARTS = (  # the quick ones first
     "save",
     "restore_nnx_shard",
     "restore_orbax",
+    "vit_init",
+    "vit_init_threefry_kernel",
     "example",
     "vit",
 )
 PART_TIMEOUT_S = 300
-QUICK = "step,create_sharded,device_put,save,restore_nnx_shard,restore_orbax"  # the example and bench_vit have their own tests
+QUICK = "step,create_sharded,device_put,save,restore_nnx_shard,restore_orbax,vit_init,vit_init_threefry_kernel"  # the example and bench_vit have their own tests
 REPORTED = ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "state_bytes", "batch_bytes")
 STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
 
@@ -242,6 +246,33 @@ def part_restore(s: dict, work: Path, variant: str) -> dict:
             "report": report}  # fmt: skip
 
 
+def part_vit_init(s: dict, work: Path) -> dict:
+    """Lowering and compiling the ViT example's sharded init (model, adamw, EMA), nothing run."""
+    import jax
+
+    import nnx_shard as ns
+
+    sys.path.insert(0, str(ROOT))
+    from examples.vit.config import get_config
+    from examples.vit.trainer import ViTTrainer
+
+    cfg = get_config(s["vit_config"])
+    trainer = ViTTrainer({**cfg.to_dict(), "workdir": "", "progress": "off"})
+    t = time.perf_counter()
+    init, _, plan = ns.sharded_init_fn(trainer._create, cfg.sharding_strategy, trainer.mesh)
+    lowered = init.lower()
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    return {
+        "config": s["vit_config"],
+        "arrays": len(plan.leaves),
+        "lower_s": round(t1 - t, 3),
+        "compile_s": round(t2 - t1, 3),
+        "threefry_gpu_kernel_lowering": bool(jax.config.jax_threefry_gpu_kernel_lowering),
+    }
+
+
 def run_part(part: str, s: dict, work: Path) -> dict:
     if part == "example":
         return part_example(s, work)
@@ -253,6 +284,8 @@ def run_part(part: str, s: dict, work: Path) -> dict:
         return part_create(s, work, part)
     if part == "save":
         return part_save(s, work)
+    if part.startswith("vit_init"):
+        return part_vit_init(s, work)
     return part_restore(s, work, part)
 
 
@@ -273,6 +306,11 @@ def summarize(parts: dict) -> dict:
             out["create_sharded_over_device_put_peak"] = round(peak(a) / peak(b), 3)
             out["create_sharded_peak_over_compile_report"] = round(peak(a) / a["compile_peak_bytes"], 3)
         out["same_values"] = a["fingerprint"] == b["fingerprint"]
+    if ok("vit_init") and ok("vit_init_threefry_kernel"):
+        out["vit_init_compile_s"] = [
+            parts["vit_init"]["compile_s"],
+            parts["vit_init_threefry_kernel"]["compile_s"],
+        ]
     if ok("restore_nnx_shard") and ok("restore_orbax"):
         a, b = parts["restore_nnx_shard"], parts["restore_orbax"]
         out["restore_over_orbax_s"] = round(a["seconds"] / b["seconds"], 3)
@@ -290,6 +328,7 @@ def main() -> None:
         default=None,
         help=f"comma-separated, of {', '.join(PARTS)} (default: all; --smoke: {QUICK})",
     )
+    ap.add_argument("--part-timeout", type=float, default=PART_TIMEOUT_S, help="seconds a part may take")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -312,11 +351,14 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--part", part, "--work", work] + (
                 ["--smoke"] if args.smoke else []
             )
+            env = {**os.environ, **({"JAX_THREEFRY_GPU_KERNEL_LOWERING": "1"} if "threefry" in part else {})}
             t = time.perf_counter()
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=PART_TIMEOUT_S)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout, env=env)
             except subprocess.TimeoutExpired as e:
-                parts[part] = {"error": f"timed out after {PART_TIMEOUT_S} s:\n{(e.stderr or b'')[-3000:]!r}"}
+                parts[part] = {
+                    "error": f"timed out after {args.part_timeout} s:\n{(e.stderr or b'')[-3000:]!r}"
+                }
             else:  # the others still run: one part's failure is reported, not fatal
                 ok = done.returncode == 0
                 parts[part] = (

@@ -191,6 +191,12 @@ def check_gpu(result):
         parts["create_sharded"]["memory_stats"] is None
         and summary["allocator_peak_over_compile_report"] is None
     )
+    # the ViT example's sharded init compiled alone, then with JAX's threefry kernel asked for (a GPU
+    # lowering: the CPU compiles the same program)
+    plain, kernel = parts["vit_init"], parts["vit_init_threefry_kernel"]
+    assert plain["threefry_gpu_kernel_lowering"] is False and kernel["threefry_gpu_kernel_lowering"] is True
+    assert plain["arrays"] == kernel["arrays"] > 0
+    assert summary["vit_init_compile_s"] == [plain["compile_s"], kernel["compile_s"]]
 
 
 BENCHMARKS = {
