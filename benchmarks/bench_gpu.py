@@ -125,6 +125,24 @@ def part_vit(s: dict, work: Path) -> dict:
     return result
 
 
+def timed(step, states, batch, steps: int, rounds: int) -> float:
+    """Median seconds per step of a jitted ``step(states, batch) -> (states, metrics)``, warm."""
+    import statistics
+
+    import jax
+
+    states, _ = step(states, batch)
+    jax.block_until_ready(states)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            states, _ = step(states, batch)
+        jax.block_until_ready(states)
+        times.append((time.perf_counter() - t) / steps)
+    return statistics.median(times)
+
+
 def part_step(s: dict, work: Path) -> dict:
     import jax
     import jax.numpy as jnp
@@ -147,6 +165,12 @@ def part_step(s: dict, work: Path) -> dict:
     loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
     jitted, states = hand_written_step(trainer, batch, loss)
     ours, theirs, diff = interleaved_timing(trainer, batch, jitted, states, s["steps"], s["rounds"])
+    del states
+    adds = {}  # the hand-written step with what the Trainer's adds, part by part: where its extra time goes
+    for what in ("norm", "norm,cond", "norm,select"):
+        step, states = hand_written_step(trainer, batch, loss, adds=what)
+        adds[what] = round(1e3 * timed(step, states, batch, s["steps"], s["rounds"]), 3)
+        del step, states
     result = {
         "params": sum(x.size for x in jax.tree.leaves(trainer.states["model"])),
         "batch": s["rows"],
@@ -154,6 +178,9 @@ def part_step(s: dict, work: Path) -> dict:
         "trainer_step_ms": round(1e3 * ours, 3),
         "hand_jit_step_ms": round(1e3 * theirs, 3),
         "ratio": round(ours / theirs, 3),
+        "hand_jit_with_grad_norm_ms": adds["norm"],
+        "hand_jit_with_grad_norm_and_cond_ms": adds["norm,cond"],  # the Trainer's guard
+        "hand_jit_with_grad_norm_and_select_ms": adds["norm,select"],  # the other way to guard
         "max_param_diff_vs_hand": diff,
         "compile_report": {k: getattr(report, k) for k in REPORTED},
     }

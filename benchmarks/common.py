@@ -59,13 +59,18 @@ def step_args(*flags: str):
     return args, ((64, 2, 16, 5, 2) if args.smoke else (1024, 4, 256, 30, 9))
 
 
-def hand_written_step(trainer, batch, loss_fn):
+def hand_written_step(trainer, batch, loss_fn, adds: str = ""):
     """What a user writes without nnx_shard, for comparison: the trainer's objects, split, jitted, donated.
 
     Same model, optimizer and EMA, same shardings as ``trainer``, the same ``loss_fn``;
-    returns ``(jitted_step, states)``.
+    returns ``(jitted_step, states)``. ``adds`` puts in what the Trainer's step adds, to price each part:
+    ``"norm"`` the global gradient norm in the metrics, ``"norm,cond"`` also the update under a ``cond`` on
+    the loss and the norm being finite (the Trainer's non-finite guard), ``"norm,select"`` the update always
+    and a select of the old state where they are not.
     """
     import jax
+    import jax.numpy as jnp
+    import optax
     from flax import nnx
 
     objects = trainer._create()
@@ -78,9 +83,23 @@ def hand_written_step(trainer, batch, loss_fn):
         opt = nnx.merge(graphdefs["optimizer"], states["optimizer"])
         ema = nnx.merge(graphdefs["ema"], states["ema"])
         loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch))(model)
-        opt.update(model, grads)
-        ema.update(model)
-        return {"model": nnx.state(model), "optimizer": nnx.state(opt), "ema": nnx.state(ema)}, {"loss": loss}
+        metrics = {"loss": loss}
+        if "norm" in adds:
+            metrics["grad_norm"] = optax.global_norm(grads)
+
+        def update(model, opt, ema, grads):
+            opt.update(model, grads)
+            ema.update(model)
+
+        ok = jnp.isfinite(loss) & jnp.isfinite(metrics.get("grad_norm", loss))
+        if "cond" in adds:
+            nnx.cond(ok, update, lambda *_: None, model, opt, ema, grads)
+        else:
+            update(model, opt, ema, grads)
+        new = {"model": nnx.state(model), "optimizer": nnx.state(opt), "ema": nnx.state(ema)}
+        if "select" in adds:  # the other guard: the update always, then the old state where it is not finite
+            new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, states)
+        return new, metrics
 
     data = jax.tree.map(lambda x: x.sharding, batch)
     jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)

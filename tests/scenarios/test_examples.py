@@ -187,6 +187,8 @@ def check_gpu(result):
     step = parts["step"]
     assert step["compile_report"]["peak_bytes"] >= step["compile_report"]["state_bytes"] > 0
     assert summary["trainer_over_hand_jit"] > 0 and summary["restore_over_orbax_s"] > 0
+    # the hand-written step with the Trainer's additions one by one, each timed
+    assert all(step[f"hand_jit_with_grad_norm{k}_ms"] > 0 for k in ("", "_and_cond", "_and_select"))
     assert (
         parts["create_sharded"]["memory_stats"] is None
         and summary["allocator_peak_over_compile_report"] is None
