@@ -129,25 +129,19 @@ def timed(step, states, batch, steps: int, rounds: int) -> float:
     """Median seconds per step of a jitted ``step(states, batch) -> (states, metrics)``, warm."""
     import statistics
 
-    import jax
+    from common import time_steps
 
-    states, _ = step(states, batch)
-    jax.block_until_ready(states)
+    states, _ = time_steps(step, states, batch, 1)
     times = []
     for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            states, _ = step(states, batch)
-        jax.block_until_ready(states)
-        times.append((time.perf_counter() - t) / steps)
+        states, seconds = time_steps(step, states, batch, steps)
+        times.append(seconds)
     return statistics.median(times)
 
 
 def part_step(s: dict, work: Path) -> dict:
     import jax
     import jax.numpy as jnp
-
-    sys.path.insert(0, str(HERE))
     from bench_step import quiet_trainer
     from common import hand_written_step, interleaved_timing
 
@@ -192,7 +186,6 @@ def part_step(s: dict, work: Path) -> dict:
 
 
 def _stack(s: dict):
-    sys.path.insert(0, str(HERE))
     from common import stack_state_factory
 
     return stack_state_factory(s["layers"], s["stack_width"])
@@ -369,7 +362,6 @@ def main() -> None:
     if args.part:  # one part, in this fresh process: its JSON on the last line
         print(json.dumps(run_part(args.part, s, Path(args.work)), default=str))
         return
-    sys.path.insert(0, str(HERE))
     from common import machine, write_json
 
     parts: dict[str, object] = {}

@@ -135,13 +135,23 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
         trainer.train(lambda s: batch, steps=steps)
         jax.block_until_ready(trainer.states)
         ours.append((time.perf_counter() - t) / steps)
-        t = time.perf_counter()
-        for _ in range(steps):
-            states, metrics = jitted(states, batch)
-        jax.block_until_ready(states)
-        theirs.append((time.perf_counter() - t) / steps)
+        states, seconds = time_steps(jitted, states, batch, steps)
+        theirs.append(seconds)
     diff = max_abs_diff(trainer.states["model"], states["model"])
     return statistics.median(ours), statistics.median(theirs), diff
+
+
+def time_steps(step, states, batch, steps: int):
+    """``steps`` calls of a jitted ``step(states, batch) -> (states, metrics)``: ``(states, seconds per step)``."""
+    import time
+
+    import jax
+
+    t = time.perf_counter()
+    for _ in range(steps):
+        states, _ = step(states, batch)
+    jax.block_until_ready(states)
+    return states, (time.perf_counter() - t) / steps
 
 
 def median_warm(rounds: list[dict]) -> dict:

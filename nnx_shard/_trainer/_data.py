@@ -198,6 +198,12 @@ def signature(batch: Any) -> tuple[Any, tuple[Any, ...]]:
     return treedef, tuple(_leaf_signature(x) for x in leaves)
 
 
+def signature_rows(batch_signature: Any) -> int:
+    """:func:`examples` read off a batch's :func:`signature`: the leading dimension of its first leaf."""
+    shapes = batch_signature[1]
+    return int(shapes[0][0][0]) if shapes and shapes[0][0] else 0
+
+
 def _leaf_signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     if not isinstance(x, (jax.Array, np.ndarray)):
         x = np.asarray(x)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from nnx_shard._base import mesh_processes
 from nnx_shard._cluster import data_shard
-from nnx_shard._trainer import _data, _standby
+from nnx_shard._trainer import _standby
 from nnx_shard._trainer._observe import Observer
 from nnx_shard.errors import BatchStructureError, MeshError, StandbyError
 
@@ -72,10 +72,10 @@ class Resizing:
                 f"joins the saves; or resize back onto a mesh with its devices."
             )
 
-    def check_rows(self, batch: Any, mesh: Mesh) -> None:
-        """Refuses the first global batch after a resize that moved the data when its rows changed (on every
-        step: the shard is worked out only for the error)."""
-        self.rows = _data.examples(batch)
+    def check_rows(self, rows: int, mesh: Mesh) -> None:
+        """Refuses the first global batch after a resize that moved the data when its ``rows`` changed (on
+        every step: the shard is worked out only for the error)."""
+        self.rows = rows
         if self.rows_before is None:
             return
         rows, self.rows_before = self.rows_before, None

@@ -273,8 +273,8 @@ class Trainer:
         step of a batch signature compiles; JAX's compile-time events say how long (a ``compile`` event)."""
         self.init()
         self._resizing.refuse("run a step", self.mesh)
-        self._resizing.check_rows(batch, self.mesh)
         sig = _data.signature(batch)  # once a step: the host's work per step is what small steps wait on
+        self._resizing.check_rows(_data.signature_rows(sig), self.mesh)
         fresh, before = not self._steps.is_compiled(sig), COMPILE_CLOCK.seconds
         states, metrics = self._steps.run(self.hooks.states(), batch, sig)
         self.hooks.update(states)
