@@ -181,6 +181,18 @@ class WeightsMismatchError(NnxShardError, ValueError):
     """Pretrained weights do not fit the model: tensors no rule maps, parameters nothing fills, or shapes."""
 
 
+class UnsupportedConfigError(WeightsMismatchError):
+    """A checkpoint's ``config.json`` field that changes the forward pass and the model class cannot compute.
+
+    Raised before any weight is read; ``field`` and ``value`` name it, the message says what would be needed.
+    """
+
+    def __init__(self, message: str, *, field: str = "", value: object = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
 class TopologyError(NnxShardError, ValueError):
     """A TPU topology that cannot be described here: libtpu missing, or a topology it does not know."""
 
@@ -306,6 +318,7 @@ __all__ = [
     "UnknownConfigKeyError",
     "UnknownTacticError",
     "UnmatchedLeavesError",
+    "UnsupportedConfigError",
     "UnusedRuleWarning",
     "WeightsMismatchError",
     "WorkdirLockedError",

@@ -3,20 +3,22 @@
 A key map is the ordered ``(regex over file tensor names, target, transform)``
 list that :func:`nnx_shard.load_safetensors` reads and
 :func:`nnx_shard.save_safetensors` inverts. The maps here take a Hugging Face
-folder (``config.json``'s ``architectures``) to tunix's ``Llama3``, ``Qwen2``,
+folder (``config.json``'s ``architectures``) to tunix's ``Llama3`` (Llama and Mistral), ``Qwen2``,
 ``Qwen3``, ``Gemma`` (Gemma 1 and 2) and ``Gemma3``: PyTorch's ``(out, in)`` weights transposed, attention
 projections reshaped to tunix's ``(embed, heads, head_dim)`` einsum kernels by
 the implied reshape (Hugging Face's q/k rows are already in the rotate-half
 order tunix's RoPE uses: no permutation). Gemma's q/k/v go into tunix's fused
 ``qkv_einsum`` (or ``q_einsum`` and ``kv_einsum``) as stacked slices, reshaped by
 the head counts of its ``config.json``. Any other model takes an explicit
-key map, as before.
+key map, as before. :func:`tunix_model` builds the class and config from
+``config.json``, carrying every field that changes the forward pass or refusing
+it by name (:class:`~nnx_shard.errors.UnsupportedConfigError`).
 
 >>> import nnx_shard as ns
 >>> ns.key_maps.for_architecture("LlamaForCausalLM") is ns.key_maps.LLAMA3
 True
 >>> sorted(ns.key_maps.ARCHITECTURES)
-['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'GemmaForCausalLM', 'LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']
+['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'GemmaForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nnx_shard._families import ROPE_MODELS, decoder, rope_model
+from nnx_shard._families import gemma as _gemma
+from nnx_shard._families import gemma3 as _gemma3
 from nnx_shard.errors import WeightsMismatchError
 
 Rule = tuple[str, Any] | tuple[str, Any, str | None]
@@ -121,65 +125,6 @@ def gemma3(hf: dict[str, Any]) -> list[Rule]:
     return [(f"(?:language_model\\.)?{pattern}", *rest) for pattern, *rest in rules]
 
 
-def _shape(hf: dict[str, Any], vocab: str) -> dict[str, Any]:
-    """The sizes every tunix ModelConfig takes, from ``config.json`` (``vocab``: tunix's name for the vocabulary)."""
-    return {
-        "num_layers": hf["num_hidden_layers"],
-        vocab: hf["vocab_size"],
-        "embed_dim": hf["hidden_size"],
-        "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-    }
-
-
-def _gemma3_config(module: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    import jax.numpy as jnp
-
-    fields = _shape(hf, "num_embed")
-    norm = module.QueryPreAttentionNormalisation
-    scalar = hf.get("query_pre_attn_scalar", fields["head_dim"])
-    by = norm.BY_ONE_OVER_SQRT_HEAD_DIM if scalar == fields["head_dim"] else None
-    return dict(
-        **fields,
-        sliding_window_size=hf.get("sliding_window"),
-        local_base_frequency=int(hf.get("rope_local_base_freq", 10_000)),
-        global_base_frequency=int(hf.get("rope_theta", 10_000)),
-        global_scale_factor=float((hf.get("rope_scaling") or {}).get("factor", 1.0)),
-        **({"query_pre_attn_norm": by} if by is not None else {}),
-        param_dtype=jnp.float32,  # tunix's default is bfloat16; the weights bring their own dtype
-    )
-
-
-def _decoder_config(hf: dict[str, Any], tied_field: str | None) -> dict[str, Any]:
-    fields = dict(
-        **_shape(hf, "vocab_size"),
-        rope_theta=int(hf.get("rope_theta", 10_000)),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-    )
-    if tied_field is not None:
-        fields[tied_field] = bool(hf.get("tie_word_embeddings", False))
-    return fields
-
-
-def _gemma_config(module: Any, hf: dict[str, Any], second: bool) -> dict[str, Any]:
-    kinds = hf.get("layer_types") or [
-        "sliding_attention" if second and i % 2 == 0 else "full_attention"
-        for i in range(hf["num_hidden_layers"])
-    ]
-    kind = module.AttentionType
-    return dict(
-        **_shape(hf, "num_embed"),
-        final_logit_softcap=hf.get("final_logit_softcapping") if second else None,
-        attn_logits_soft_cap=hf.get("attn_logit_softcapping") if second else None,
-        use_post_attn_norm=second,
-        use_post_ffw_norm=second,
-        attention_types=tuple(kind.LOCAL_SLIDING if t == "sliding_attention" else kind.GLOBAL for t in kinds),
-        sliding_window_size=hf.get("sliding_window") if second else None,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A Hugging Face architecture as google-tunix has it: the key map (a list, or built from ``config.json``
@@ -188,7 +133,7 @@ class Family:
     key_map: list[Rule] | Callable[[dict[str, Any]], list[Rule]]
     module: str
     cls: str
-    config: Callable[[Any, dict[str, Any]], dict[str, Any]]
+    config: Callable[[Any, dict[str, Any], str], dict[str, Any]]
 
     def rules(self, hf: dict[str, Any] | None) -> list[Rule]:
         if callable(self.key_map):
@@ -202,24 +147,61 @@ class Family:
 
 
 #: ``config.json`` ``architectures`` -> the google-tunix family that loads it.
+_ROPE = ("default", "linear", "llama3")  # what nnx_shard's Llama3 and Qwen3 apply
+_LLAMA = "tunix.models.llama3.model"
+
+
+def _llama(family: str) -> Callable[[Any, dict[str, Any], str], dict[str, Any]]:
+    return lambda m, hf, arch: decoder(hf, arch, family=family, tied="weight_tying", rope_kinds=_ROPE)
+
+
+#: ``config.json`` ``architectures`` -> the google-tunix family that loads it.
 ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(LLAMA3, "tunix.models.llama3.model", "Llama3", lambda m, hf: _decoder_config(hf, "weight_tying")),
-    "Qwen2ForCausalLM": Family(QWEN2, "tunix.models.qwen2.model", "Qwen2", lambda m, hf: _decoder_config(hf, "use_tied_embedding")),
-    "Qwen3ForCausalLM": Family(QWEN3, "tunix.models.qwen3.model", "Qwen3", lambda m, hf: _decoder_config(hf, "use_tied_embedding")),
-    "GemmaForCausalLM": Family(gemma, "tunix.models.gemma.model", "Gemma", lambda m, hf: _gemma_config(m, hf, False)),
-    "Gemma2ForCausalLM": Family(gemma2, "tunix.models.gemma.model", "Gemma", lambda m, hf: _gemma_config(m, hf, True)),
-    "Gemma3ForCausalLM": Family(gemma3, "tunix.models.gemma3.model", "Gemma3", _gemma3_config),
-}  # fmt: skip
+    "LlamaForCausalLM": Family(LLAMA3, _LLAMA, "Llama3", _llama("llama")),
+    # Mistral without a sliding window is Llama's layout and computation (a window is refused by name)
+    "MistralForCausalLM": Family(LLAMA3, _LLAMA, "Llama3", _llama("mistral")),
+    "Qwen2ForCausalLM": Family(
+        QWEN2,
+        "tunix.models.qwen2.model",
+        "Qwen2",
+        lambda m, hf, arch: decoder(hf, arch, family="qwen2", tied="use_tied_embedding", rope_kinds=("default",)),
+    ),
+    "Qwen3ForCausalLM": Family(
+        QWEN3,
+        "tunix.models.qwen3.model",
+        "Qwen3",
+        lambda m, hf, arch: decoder(hf, arch, family="qwen3", tied="use_tied_embedding", rope_kinds=_ROPE),
+    ),
+    "GemmaForCausalLM": Family(gemma, "tunix.models.gemma.model", "Gemma", lambda m, hf, a: _gemma(m, hf, a, False)),
+    "Gemma2ForCausalLM": Family(gemma2, "tunix.models.gemma.model", "Gemma", lambda m, hf, a: _gemma(m, hf, a, True)),
+    "Gemma3ForCausalLM": Family(gemma3, "tunix.models.gemma3.model", "Gemma3", _gemma3),
+}
+#: Architectures with no map of their own, and what to do instead.
+ALIASES = {
+    "Gemma3ForConditionalGeneration": "its text tower loads as Gemma3ForCausalLM: pass its text_config as "
+    "config.json and key_map=ns.key_maps.gemma3(text_config)",
+    "Qwen2MoeForCausalLM": "tunix has no Qwen 2 MoE class here",
+    "Qwen3MoeForCausalLM": "tunix's Qwen3 has experts (num_experts) but no key map is shipped for them",
+}
+
+
+def _unknown(name: str) -> str:
+    hint = f": {ALIASES[name]}" if name in ALIASES else ""
+    return (
+        f"no key map is shipped for the architecture {name!r}{hint} (shipped: {sorted(ARCHITECTURES)}); pass "
+        f"key_map=[(regex over file tensor names, model path, transform), ...]."
+    )
 
 
 def for_architecture(name: str, config: dict[str, Any] | None = None) -> list[Rule]:
     """The key map of a Hugging Face architecture name (``config.json``'s ``architectures[0]``); Gemma's is
-    built from the ``config.json`` dict."""
+    built from the ``config.json`` dict.
+
+    >>> for_architecture("MistralForCausalLM") is LLAMA3
+    True
+    """
     if name not in ARCHITECTURES:
-        raise WeightsMismatchError(
-            f"no key map is shipped for the architecture {name!r} (shipped: {sorted(ARCHITECTURES)}); pass "
-            f"key_map=[(regex over file tensor names, model path, transform), ...]."
-        )
+        raise WeightsMismatchError(_unknown(name))
     return ARCHITECTURES[name].rules(config)
 
 
@@ -258,6 +240,8 @@ def resolve_key_map(
     """``key_map`` as given, else the map for ``folder``'s architecture or the model's class, and its name."""
     if key_map is not None:
         return key_map, None
+    if isinstance(folder, (str, os.PathLike)) and not any(c in str(folder) for c in "*?[") and not Path(folder).exists():
+        raise WeightsMismatchError(f"{folder} does not exist: pass a Hugging Face folder, a safetensors file or a glob.")
     if folder is not None and not isinstance(folder, (list, tuple)):
         arch = architecture_of(folder)
         if arch is not None:
@@ -272,31 +256,98 @@ def resolve_key_map(
     )
 
 
-def tunix_model(folder: str | os.PathLike[str], **overrides: Any) -> tuple[type, Any]:
-    """tunix's class and ``ModelConfig`` for a Hugging Face folder, read from its ``config.json``.
-
-    ``overrides`` replace config fields (``shd_config=...``, ``remat_config=...``).
-    Needs google-tunix (``pip install nnx-shard[hf]``).
-    """
-    import importlib
-
+def _family_of(folder: str | os.PathLike[str]) -> tuple[str, Family, dict[str, Any]]:
+    path = Path(folder)
+    if not path.is_dir():
+        raise WeightsMismatchError(
+            f"{folder} does not exist{' (it is a file)' if path.exists() else ''}: pass the folder that holds "
+            f"the checkpoint's config.json and *.safetensors."
+        )
+    hf = hf_config(folder)
+    if hf is None:
+        raise WeightsMismatchError(f"{folder} has no config.json: pass a Hugging Face model folder.")
     arch = architecture_of(folder)
     if arch not in ARCHITECTURES:
-        raise WeightsMismatchError(f"{folder} has no config.json architecture among {sorted(ARCHITECTURES)}.")
-    family = ARCHITECTURES[arch]
+        raise WeightsMismatchError(f"{folder}/config.json: " + _unknown(str(arch)))
+    return arch, ARCHITECTURES[arch], hf
+
+
+def _model_module(family: Family) -> Any:
+    """The module holding the family's ModelConfig and class: tunix's, or nnx_shard's RoPE variant of it."""
+    import importlib
+
     module = importlib.import_module(family.module)
-    hf = hf_config(folder) or {}
-    scalar = hf.get("query_pre_attn_scalar")
-    if scalar is not None and scalar != (
-        hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    ):
-        warnings.warn(
-            f"{folder}: query_pre_attn_scalar={scalar} is not head_dim; tunix's Gemma scales queries by "
-            f"head_dim**-0.5, so its logits will differ from transformers'.",
-            stacklevel=2,
+    if family.module not in ROPE_MODELS:
+        return module, getattr(module, family.cls), module.ModelConfig
+    return (module, *rope_model(family.module))
+
+
+def tunix_model(folder: str | os.PathLike[str], **overrides: Any) -> tuple[type, Any]:
+    """The model class and its ``ModelConfig`` for a Hugging Face folder, read from its ``config.json``.
+
+    Every field that changes the forward pass is carried into the config, or refused with
+    :class:`~nnx_shard.errors.UnsupportedConfigError` naming it before any weight is read (the table on
+    the fine-tuning page lists both, per family). The class is google-tunix's; for Llama 3, Mistral and
+    Qwen 3 it is tunix's class with the checkpoint's RoPE applied (tunix's own always uses theta 1e6 and
+    no scaling). ``overrides`` replace config fields (``shd_config=...``, ``remat_config=...``). Needs
+    google-tunix (``pip install nnx-shard[hf]``).
+
+    >>> import pytest; _ = pytest.importorskip("tunix")
+    >>> tunix_model("no/such/folder")
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.WeightsMismatchError: no/such/folder does not exist: pass the folder that holds ...
+    """
+    arch, family, hf = _family_of(folder)
+    module, cls, config_cls = _model_module(family)
+    fields = family.config(module, hf, arch)
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    lost = {k: v for k, v in fields.items() if k not in names and v is not None}
+    if lost:
+        raise WeightsMismatchError(
+            f"{folder}: the installed google-tunix's {family.cls} ModelConfig has no field for {sorted(lost)} "
+            f"(values {lost}): install a google-tunix that has them (pip install -U google-tunix)."
         )
-    fields = family.config(module, hf)
-    names = set(getattr(module.ModelConfig, "__dataclass_fields__", {}))
     fields = {k: v for k, v in fields.items() if k in names}
     fields.update(overrides)
-    return getattr(module, family.cls), module.ModelConfig(**fields)
+    return cls, config_cls(**fields)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return bool(abs(a - b) <= 1e-9 * max(abs(a), abs(b)))
+    return bool(a == b)
+
+
+def check_model_config(model: Any, folder: str | os.PathLike[str]) -> None:
+    """Raises when ``model`` (a tunix family's class) computes something other than ``folder``'s checkpoint.
+
+    A model built by hand from tunix's presets, or from tunix's own Llama 3 / Qwen 3 class (RoPE theta
+    always 1e6), would load without an error and give other logits; this names each field that differs.
+    Models of other classes are left to their key map.
+    """
+    hf, arch = hf_config(folder), architecture_of(folder)
+    if hf is None or arch not in ARCHITECTURES or getattr(model, "config", None) is None:
+        return
+    family = ARCHITECTURES[arch]
+    if not any(c.__name__ == family.cls and c.__module__ == family.module for c in type(model).__mro__):
+        return
+    import importlib
+
+    want = family.config(importlib.import_module(family.module), hf, arch)  # refusals raise here
+    config = model.config
+    have = {k: getattr(config, k, None) for k in want}
+    if family.module in ROPE_MODELS and not hasattr(config, "rope_kind"):  # tunix's own class
+        have.update(rope_theta=1_000_000, rope_kind="default", rope_parameters=())
+    wrong = [
+        f"{k}: the model's {have[k]!r}, config.json's {v!r}"
+        for k, v in want.items()
+        if k != "param_dtype" and not _same(have[k], v)
+    ]
+    if wrong:
+        raise WeightsMismatchError(
+            f"{type(model).__name__} computes something other than {folder}'s checkpoint ({len(wrong)} "
+            f"fields): {'; '.join(wrong[:6])}. Build it with `cls, config = ns.key_maps.tunix_model(folder)`, "
+            f"which carries every field (tunix's own Llama3 and Qwen3 apply RoPE with theta 1e6 whatever "
+            f"their config says). Nothing was read."
+        )

@@ -32,8 +32,7 @@ def resolve_files(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         if path.is_dir():
             index = path / "model.safetensors.index.json"
             if index.exists():
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-                return [str(path / n) for n in names]
+                return _indexed(path, index)
             found = sorted(str(p) for p in path.glob("*.safetensors"))
         else:
             found = sorted(glob.glob(str(path))) if any(c in str(path) for c in "*?[") else [str(path)]
@@ -46,6 +45,22 @@ def resolve_files(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             f"glob, a list, or a folder holding *.safetensors (with model.safetensors.index.json)."
         )
     return found
+
+
+def _indexed(folder: Path, index: Path) -> list[str]:
+    """The files ``model.safetensors.index.json`` names, each a plain name inside ``folder`` (checked before
+    any is opened: an index is data, and may not point elsewhere on the disk)."""
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, OSError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsMismatchError(f"{index} is not an index with a weight_map of file names: {e!r}") from e
+    outside = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")]
+    if outside:
+        raise WeightsMismatchError(
+            f"{index} names files outside its folder: {outside[:5]}; an index's weight_map holds plain file "
+            f"names of that folder (model-00001-of-00002.safetensors). Nothing was opened."
+        )
+    return [str(folder / n) for n in names]
 
 
 def key_rules(key_map: Sequence[Rule]) -> list[tuple[re.Pattern[str], list[tuple[str, tuple[Op, ...]]]]]:
@@ -108,14 +123,25 @@ def file_shapes(like: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
-def mismatches(groups: Sequence[tuple[str, list[str]]]) -> str:
-    """``"3 <what>: [first 12 ...]; ..."`` for each non-empty group of problems (empty when none).
+def mismatches(groups: Sequence[tuple[str, list[str]]], first: int = 5) -> str:
+    """Each non-empty group of problems as a count and its first few, one line each (empty when none).
 
-    >>> mismatches([("leaves nothing fills", ["a (2,)"]), ("tensors no rule maps", [])])
-    "1 leaves nothing fills: ['a (2,)']"
+    >>> print(mismatches([("leaves nothing fills", ["a (2,)"]), ("tensors no rule maps", [])]))
+    <BLANKLINE>
+    1 leaves nothing fills:
+      a (2,)
+    >>> print(mismatches([("tensors", [f"t{i}" for i in range(8)])], first=2))
+    <BLANKLINE>
+    8 tensors:
+      t0
+      t1
+      ... and 6 more
     """
-    return "; ".join(
-        f"{len(items)} {what}: {items[:12]}{' ...' if len(items) > 12 else ''}"
-        for what, items in groups
-        if items
-    )
+    out = []
+    for what, items in groups:
+        if items:
+            out.append(f"{len(items)} {what}:")
+            out += [f"  {item}" for item in items[:first]]
+            if len(items) > first:
+                out.append(f"  ... and {len(items) - first} more")
+    return "".join(f"\n{line}" for line in out)

@@ -35,7 +35,7 @@ from nnx_shard._weights._keys import Rule, key_rules, mismatches, model_leaves, 
 from nnx_shard._weights._peft import is_peft_folder, load_peft_adapters
 from nnx_shard._weights._transforms import Box, Op, aligned_empty, apply, copy_tiled, full_ops, source_box
 from nnx_shard.errors import WeightsMismatchError
-from nnx_shard.key_maps import resolve_key_map
+from nnx_shard.key_maps import check_model_config, resolve_key_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,11 @@ class LoadReport:
         return text + "".join(f"; {n}" for n in self.notes)
 
 
+#: How ``ignore=`` and ``skip=`` match, said wherever a pattern matched nothing.
+PATTERNS = (
+    "ignore= and skip= patterns must match a whole tensor name or leaf path (re.fullmatch): "
+    "r'lm_head\\..*', not r'^lm_head\\.'"
+)
 _THREADS = min(4, os.cpu_count() or 1)  # leaves made at once
 _AHEAD = 256 * 2**20  # the most bytes of leaves made at once on this process (a larger leaf is made alone)
 
@@ -98,16 +103,20 @@ def plan_fills(
     rules = key_rules(key_map)
     fills: dict[str, list[_Fill]] = {}
     unmapped, problems, ignored = [], [], 0
+    used = {p: False for p in (*ignore, *skip)}
     for file, tensors in headers.items():
         for name, shape in tensors.items():
-            match = next(((m, outs) for regex, outs in rules if (m := regex.fullmatch(name))), None)
+            match = next(((m, outs, regex) for regex, outs in rules if (m := regex.fullmatch(name))), None)
             if match is None:
-                if any(re.fullmatch(p, name) for p in ignore):
+                hit = [p for p in ignore if re.fullmatch(p, name)]
+                used.update(dict.fromkeys(hit, True))
+                if hit:
                     ignored += 1
                 else:
                     unmapped.append(f"{name} {tuple(shape)}")
                 continue
-            for target, index, ops in targets_of(*match):
+            m, outs, regex = match
+            for target, index, ops in targets_of(m, outs):
                 if target not in leaves:
                     problems.append(f"{name} {tuple(shape)} -> {target}: the model has no such leaf")
                     continue
@@ -115,7 +124,7 @@ def plan_fills(
                 try:
                     done = full_ops(ops, shape, full[len(index) :])
                 except WeightsMismatchError as e:
-                    problems.append(f"{name} -> {target}{list(index) if index else ''} {full}: {e}")
+                    problems.append(f"{name} -> {target}{list(index) if index else ''} (rule r'{regex.pattern}'): {e}")
                     continue
                 if any(not 0 <= i < d for i, d in zip(index, full, strict=False)):
                     problems.append(f"{name} -> {target}{list(index)}: index outside {full}")
@@ -123,7 +132,9 @@ def plan_fills(
                 fills.setdefault(target, []).append(_Fill(file, name, index, done, tuple(shape)))
     unfilled = []
     for path, v in leaves.items():
-        if not _required(v) or any(re.fullmatch(p, path) for p in skip):
+        hit = [p for p in skip if re.fullmatch(p, path)]
+        used.update(dict.fromkeys(hit, True))
+        if not _required(v) or hit:
             continue
         got = fills.get(path, [])
         depth = len(got[0].index) if got else 0
@@ -132,18 +143,19 @@ def plan_fills(
             unfilled.append(
                 f"{path} {tuple(v.get_value().shape)}" + (f" ({len(got)} of {need} filled)" if got else "")
             )
+    idle = [f"{'ignore' if p in ignore else 'skip'}={p!r}" for p, hit in used.items() if not hit]
     if strict and (unmapped or unfilled or problems):
         text = mismatches(
             [
                 ("file tensors no key map rule maps (add a rule, or an ignore= pattern)", unmapped),
                 ("model parameters no file tensor fills (add a rule, or a skip= pattern)", unfilled),
                 ("tensors that do not fit their target", problems),
+                (f"patterns that matched nothing ({PATTERNS})", idle),
             ]
         )
-        raise WeightsMismatchError(
-            "the pretrained weights do not fit the model; nothing was written. " + text
-        )
+        raise WeightsMismatchError("the pretrained weights do not fit the model; nothing was written." + text)
     notes = [f"{ignored} file tensors ignored"] if ignored else []
+    notes += [f"{p} matched nothing ({PATTERNS})" for p in idle]
     lora = sum(isinstance(v, nnx.LoRAParam) for v in leaves.values())
     if lora:
         notes.append(f"{lora} LoRA parameters left as created")
@@ -209,6 +221,8 @@ def load_safetensors(
         return LoadReport(
             count, 0, 0, seconds, tuple(["PEFT adapters", *([chosen] if chosen else []), *peft_notes])
         )
+    if isinstance(files, (str, os.PathLike)):
+        check_model_config(model, files)  # a tunix model built unlike the checkpoint: named, nothing read
     paths = resolve_files(files)
     leaves = model_leaves(model)
     counts = [0, 0]  # bytes read, bytes the shards need (in the files' dtypes)

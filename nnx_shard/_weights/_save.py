@@ -181,7 +181,7 @@ def _check_complete(
         ]
     )
     if text:
-        raise WeightsMismatchError("the export would drop weights; nothing was written. " + text)
+        raise WeightsMismatchError("the export would drop weights; nothing was written." + text)
 
 
 def _join(

@@ -94,16 +94,44 @@ def shape_after(ops: Sequence[Op], shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def full_ops(ops: Sequence[Op], file_shape: Sequence[int], target_shape: Sequence[int]) -> tuple[Op, ...]:
-    """``ops`` and the implied reshape to ``target_shape`` when the element counts agree."""
+    """``ops`` and the implied reshape to ``target_shape``: allowed only where it splits or merges adjacent
+    axes in order (``(4096, 4096)`` -> ``(4096, 32, 128)``), never a same-size reshape that scrambles the
+    tensor (a ``(128, 64)`` weight into a ``(64, 128)`` kernel is a missing transpose).
+
+    >>> [str(op) for op in full_ops(parse("T"), (8, 4), (4, 2, 4))]
+    ['transpose(1, 0)', 'reshape(4, 2, 4)']
+    >>> full_ops((), (128, 64), (64, 128))
+    Traceback (most recent call last):
+    ...
+    nnx_shard.errors.WeightsMismatchError: a (128, 64) tensor is not a (64, 128) leaf with axes split or merged in order; ...
+    """
     after = shape_after(ops, file_shape)
     if after == tuple(target_shape):
         return tuple(ops)
+    done = f" after {' | '.join(map(str, ops))}" if ops else ""
     if math.prod(after) != math.prod(target_shape):
         raise WeightsMismatchError(
-            f"a {tuple(file_shape)} tensor{' after ' + ' | '.join(map(str, ops)) if ops else ''} is {after}, "
-            f"which does not fit the target's {tuple(target_shape)}."
+            f"a {tuple(file_shape)} tensor{done} holds {math.prod(after)} elements, the {tuple(target_shape)} "
+            f"leaf {math.prod(target_shape)}."
+        )
+    if not is_split_or_merge(after, tuple(target_shape)):
+        hint = ' (add "T" to the rule: the file stores it transposed)' if after == tuple(target_shape)[::-1] else ""
+        raise WeightsMismatchError(
+            f"a {after} tensor{done} is not a {tuple(target_shape)} leaf with axes split or merged in order; "
+            f"reshaping it would scramble its values{hint}. Give the rule a transform, e.g. \"T\" or "
+            f"\"T | reshape(...)\"."
         )
     return (*ops, Op("reshape", tuple(target_shape)))
+
+
+def is_split_or_merge(old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+    """Whether ``old`` -> ``new`` only splits axes or merges adjacent ones, in order (axes of 1 aside).
+
+    >>> is_split_or_merge((64, 128), (64, 2, 64)), is_split_or_merge((128, 64), (64, 128))
+    (True, False)
+    """
+    old, new = tuple(d for d in old if d != 1), tuple(d for d in new if d != 1)
+    return all(len(a) <= 1 or len(b) <= 1 for a, b in _groups(old, new))
 
 
 def _groups(old: tuple[int, ...], new: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:

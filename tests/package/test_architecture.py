@@ -20,6 +20,7 @@ PACKAGE = Path(nnx_shard.__file__).parent
 LAYERS = {
     "_version": 0,
     "errors": 0,
+    "_families": 1,  # Hugging Face configs read into tunix's, and tunix's classes with the checkpoint's RoPE
     "key_maps": 1,  # data: the Hugging Face key maps, read by _weights
     "_base": 1,  # specs, paths, meshes, caches, private JAX, bytes and tables
     "_sharding": 2,  # strategy -> plan: tactics, parser, logical, explicit, inference

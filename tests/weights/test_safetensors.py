@@ -219,7 +219,8 @@ def test_mismatches_are_all_listed_before_anything_is_written(tmp_path):
     text = str(e.value)
     assert "nothing was written" in text and "model.layers.0.up_proj.bias (64,)" in text  # no rule maps it
     assert "layers/0/up/bias (64,)" in text and "stacked (2, 64, 32)" in text  # nothing fills them
-    assert "(64, 32) tensor is (64, 32), which does not fit the target's (8, 4)" in text
+    assert "(64, 32) tensor holds 2048 elements, the (8, 4) leaf 32" in text
+    assert "up_proj\\.weight'" in text  # the rule is named
     np.testing.assert_array_equal(np.asarray(model.embed.embedding.get_value()), before)
     with pytest.raises(ns.WeightsMismatchError, match="is not one of T"):
         ns.load_safetensors(model, tmp_path, [(".*", "x", "exec('1')")])
