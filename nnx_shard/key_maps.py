@@ -164,7 +164,9 @@ ARCHITECTURES: dict[str, Family] = {
         QWEN2,
         "tunix.models.qwen2.model",
         "Qwen2",
-        lambda m, hf, arch: decoder(hf, arch, family="qwen2", tied="use_tied_embedding", rope_kinds=("default",)),
+        lambda m, hf, arch: decoder(
+            hf, arch, family="qwen2", tied="use_tied_embedding", rope_kinds=("default",)
+        ),
     ),
     "Qwen3ForCausalLM": Family(
         QWEN3,
@@ -172,8 +174,12 @@ ARCHITECTURES: dict[str, Family] = {
         "Qwen3",
         lambda m, hf, arch: decoder(hf, arch, family="qwen3", tied="use_tied_embedding", rope_kinds=_ROPE),
     ),
-    "GemmaForCausalLM": Family(gemma, "tunix.models.gemma.model", "Gemma", lambda m, hf, a: _gemma(m, hf, a, False)),
-    "Gemma2ForCausalLM": Family(gemma2, "tunix.models.gemma.model", "Gemma", lambda m, hf, a: _gemma(m, hf, a, True)),
+    "GemmaForCausalLM": Family(
+        gemma, "tunix.models.gemma.model", "Gemma", lambda m, hf, a: _gemma(m, hf, a, False)
+    ),
+    "Gemma2ForCausalLM": Family(
+        gemma2, "tunix.models.gemma.model", "Gemma", lambda m, hf, a: _gemma(m, hf, a, True)
+    ),
     "Gemma3ForCausalLM": Family(gemma3, "tunix.models.gemma3.model", "Gemma3", _gemma3),
 }
 #: Architectures with no map of their own, and what to do instead.
@@ -240,8 +246,14 @@ def resolve_key_map(
     """``key_map`` as given, else the map for ``folder``'s architecture or the model's class, and its name."""
     if key_map is not None:
         return key_map, None
-    if isinstance(folder, (str, os.PathLike)) and not any(c in str(folder) for c in "*?[") and not Path(folder).exists():
-        raise WeightsMismatchError(f"{folder} does not exist: pass a Hugging Face folder, a safetensors file or a glob.")
+    if (
+        isinstance(folder, (str, os.PathLike))
+        and not any(c in str(folder) for c in "*?[")
+        and not Path(folder).exists()
+    ):
+        raise WeightsMismatchError(
+            f"{folder} does not exist: pass a Hugging Face folder, a safetensors file or a glob."
+        )
     if folder is not None and not isinstance(folder, (list, tuple)):
         arch = architecture_of(folder)
         if arch is not None:

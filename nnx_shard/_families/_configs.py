@@ -63,7 +63,9 @@ def refuse(arch: str, field: str, value: Any, need: str) -> UnsupportedConfigErr
     )
 
 
-def _require(hf: dict[str, Any], arch: str, field: str, allowed: tuple[Any, ...], need: str, default: Any = None):
+def _require(
+    hf: dict[str, Any], arch: str, field: str, allowed: tuple[Any, ...], need: str, default: Any = None
+):
     value = hf.get(field, default)
     if value not in allowed:
         raise refuse(arch, field, value, need)
@@ -94,8 +96,13 @@ def _checked_rope(hf: dict[str, Any], arch: str, layer: str, kinds: tuple[str, .
     rope = rope_of(hf, layer, default_theta=default)
     field = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
     if rope.kind not in kinds:
-        raise refuse(arch, f"{field}.rope_type", rope.kind, f"the model applies rope of type {' or '.join(kinds)} only")
-    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        raise refuse(
+            arch, f"{field}.rope_type", rope.kind, f"the model applies rope of type {' or '.join(kinds)} only"
+        )
+    needed = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    }
     missing = [k for k in needed.get(rope.kind, ()) if rope.parameter(k) is None]
     if missing:
         raise refuse(arch, field, dict(rope.parameters), f"rope {rope.kind} needs {missing}")
@@ -109,7 +116,9 @@ def _full_attention_only(hf: dict[str, Any], arch: str) -> None:
         raise refuse(arch, "layer_types", hf["layer_types"], "the model has full attention in every layer")
 
 
-def decoder(hf: dict[str, Any], arch: str, *, family: str, tied: str, rope_kinds: tuple[str, ...]) -> dict[str, Any]:
+def decoder(
+    hf: dict[str, Any], arch: str, *, family: str, tied: str, rope_kinds: tuple[str, ...]
+) -> dict[str, Any]:
     """Llama 3, Mistral, Qwen 2 and Qwen 3 into tunix's (or nnx_shard's) ModelConfig fields."""
     _require(hf, arch, "hidden_act", ("silu",), "the model's MLP uses SiLU", default="silu")
     _require(hf, arch, "mlp_bias", (None, False), "the model's MLP has no biases")
@@ -135,7 +144,9 @@ def decoder(hf: dict[str, Any], arch: str, *, family: str, tied: str, rope_kinds
 def _gemma_common(hf: dict[str, Any], arch: str, activation: str) -> None:
     _require(hf, arch, activation, _TANH_GELU, "the model's MLP uses tanh GELU", default="gelu_pytorch_tanh")
     _require(hf, arch, "rms_norm_eps", (1e-6,), "tunix's Gemma RMSNorm uses 1e-6", default=1e-6)
-    _require(hf, arch, "tie_word_embeddings", (True,), "tunix's Gemma decodes with the embedding", default=True)
+    _require(
+        hf, arch, "tie_word_embeddings", (True,), "tunix's Gemma decodes with the embedding", default=True
+    )
     _require(hf, arch, "attention_bias", (None, False), "the model's attention has no biases")
 
 
@@ -147,9 +158,17 @@ def gemma(module: Any, hf: dict[str, Any], arch: str, second: bool) -> dict[str,
         if rope.theta != 10_000:
             raise refuse(arch, "rope_theta", rope.theta, "tunix's Gemma applies rope with theta 10,000")
     if second:
-        _require(hf, arch, "query_pre_attn_scalar", (head_dim(hf),), f"tunix's Gemma scales queries by head_dim={head_dim(hf)}**-0.5", default=head_dim(hf))
+        _require(
+            hf,
+            arch,
+            "query_pre_attn_scalar",
+            (head_dim(hf),),
+            f"tunix's Gemma scales queries by head_dim={head_dim(hf)}**-0.5",
+            default=head_dim(hf),
+        )
     kinds = hf.get("layer_types") or [
-        "sliding_attention" if second and i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])
+        "sliding_attention" if second and i % 2 == 0 else "full_attention"
+        for i in range(hf["num_hidden_layers"])
     ]
     if not second and set(kinds) != {"full_attention"}:
         raise refuse(arch, "layer_types", kinds, "Gemma 1 has full attention in every layer")
@@ -169,7 +188,10 @@ def _gemma3_layer_types(hf: dict[str, Any]) -> list[str]:
     if hf.get("layer_types"):
         return list(hf["layer_types"])
     pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])]
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(hf["num_hidden_layers"])
+    ]
 
 
 def gemma3(module: Any, hf: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -180,7 +202,10 @@ def gemma3(module: Any, hf: dict[str, Any], arch: str) -> dict[str, Any]:
     _require(hf, arch, "use_bidirectional_attention", (None, False), "the model is causal")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         _require(hf, arch, cap, (None,), "tunix's Gemma3 has no softcap")
-    tunix = ["sliding_attention" if t == module.AttentionType.LOCAL_SLIDING else "full_attention" for t in module.GEMMA3_ATTENTION_PATTERN]
+    tunix = [
+        "sliding_attention" if t == module.AttentionType.LOCAL_SLIDING else "full_attention"
+        for t in module.GEMMA3_ATTENTION_PATTERN
+    ]
     want = [tunix[i % len(tunix)] for i in range(hf["num_hidden_layers"])]
     if _gemma3_layer_types(hf) != want:
         raise refuse(arch, "layer_types", _gemma3_layer_types(hf), f"tunix's Gemma3 cycles {tunix}")
@@ -189,10 +214,17 @@ def gemma3(module: Any, hf: dict[str, Any], arch: str) -> dict[str, Any]:
     fields = shape(hf, "num_embed")
     norm = module.QueryPreAttentionNormalisation
     scalars = {fields["head_dim"]: norm.BY_ONE_OVER_SQRT_HEAD_DIM}
-    scalars.setdefault(hf["hidden_size"] // hf["num_attention_heads"], norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS)
+    scalars.setdefault(
+        hf["hidden_size"] // hf["num_attention_heads"], norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS
+    )
     scalar = hf.get("query_pre_attn_scalar", fields["head_dim"])
     if scalar not in scalars:
-        raise refuse(arch, "query_pre_attn_scalar", scalar, f"tunix's Gemma3 scales queries by one of {sorted(scalars)}**-0.5")
+        raise refuse(
+            arch,
+            "query_pre_attn_scalar",
+            scalar,
+            f"tunix's Gemma3 scales queries by one of {sorted(scalars)}**-0.5",
+        )
     return dict(
         **fields,
         sliding_window_size=hf.get("sliding_window"),

@@ -59,10 +59,16 @@ def rope_model(module_name: str) -> tuple[type, type]:
         raise ImportError(f"{module_name}.Attention.block no longer calls apply_rope as nnx_shard expects")
     config_cls = dataclasses.make_dataclass(
         "ModelConfig",
-        [("rope_kind", str, dataclasses.field(default="default")), ("rope_parameters", tuple, dataclasses.field(default=()))],
+        [
+            ("rope_kind", str, dataclasses.field(default="default")),
+            ("rope_parameters", tuple, dataclasses.field(default=())),
+        ],
         bases=(module.ModelConfig,),
         frozen=module.ModelConfig.__dataclass_params__.frozen,  # as tunix's (Qwen3's is not)
-        namespace={"__module__": __name__, "__doc__": f"{module_name}.ModelConfig with the RoPE's kind and parameters."},
+        namespace={
+            "__module__": __name__,
+            "__doc__": f"{module_name}.ModelConfig with the RoPE's kind and parameters.",
+        },
     )
     attention = type("Attention", (module.Attention,), {"block": _with_rope(block), "__module__": __name__})
 

@@ -49,12 +49,18 @@ def _kind(scaling: dict[str, Any]) -> str:
 def _from(params: dict[str, Any], theta: float) -> Rope:
     kind = _kind(params)
     rest = tuple(
-        sorted((k, v) for k, v in params.items() if k not in ("rope_type", "type", "rope_theta") and v is not None)
+        sorted(
+            (k, v)
+            for k, v in params.items()
+            if k not in ("rope_type", "type", "rope_theta") and v is not None
+        )
     )
     return Rope(float(params.get("rope_theta", theta)), kind, rest if kind != "default" else ())
 
 
-def rope_of(hf: dict[str, Any], layer_type: str = "full_attention", *, default_theta: float = 10_000.0) -> Rope:
+def rope_of(
+    hf: dict[str, Any], layer_type: str = "full_attention", *, default_theta: float = 10_000.0
+) -> Rope:
     """The rope of ``layer_type``'s attention in a Hugging Face ``config.json`` dict, as 4.x or 5.x wrote it.
 
     ``default_theta`` is the family's theta when the file states none (transformers' class default).
@@ -113,7 +119,9 @@ def apply_rope(inputs: Any, positions: Any, head_dim: int, rope_theta: Any = Non
     import jax.numpy as jnp
 
     del head_dim, rope_theta
-    angles = positions[..., jnp.newaxis].astype(jnp.float32) * jnp.asarray(inv_freq)[jnp.newaxis, jnp.newaxis, :]
+    angles = (
+        positions[..., jnp.newaxis].astype(jnp.float32) * jnp.asarray(inv_freq)[jnp.newaxis, jnp.newaxis, :]
+    )
     angles = angles[..., jnp.newaxis, :]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     first, second = jnp.split(inputs, 2, axis=-1)

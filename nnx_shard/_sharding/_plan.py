@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -161,6 +162,12 @@ class ShardingPlan:
         if labelled:
             lines.append(
                 "per device by label: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in labelled.items())
+            )
+            counts = {k: sum(math.prod(p.shape or ()) for p in self.leaves if p.label == k) for k in labelled}
+            total = max(sum(counts.values()), 1)
+            lines.append(
+                "parameters by label: "
+                + ", ".join(f"{k} {v:,} ({100 * v / total:.3g}%)" for k, v in counts.items())
             )
         counts = [0] * len(self.rules)
         for p in self.leaves:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,9 +26,56 @@ def resolve_wrt(wrt: Any, model: Any) -> Any:
     if wrt is None:
         has_lora = any(isinstance(v, nnx.LoRAParam) for _, v in flatten_with_paths(nnx.state(model))[0])
         wrt = nnx.LoRAParam if has_lora else nnx.Param
-        logger.info("training %s (Trainer.wrt)", "the LoRA adapters only" if has_lora else "every nnx.Param")
     check_model(model, wrt=wrt)
     return wrt
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, " B"), (1e6, " M"), (1e3, " K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def trainable_summary(model: Any, wrt: Any, chosen: bool, pretrained: bool) -> tuple[int, str]:
+    """``(logging level, line)`` saying what trains: the count, its fraction and the filter that chose it.
+
+    ``chosen``: ``Trainer.wrt`` was set; ``pretrained``: ``load_pretrained`` loaded weights. A fine-tune whose
+    ``wrt`` fell back to every parameter (no LoRA parameter in the model) is a WARNING.
+
+    >>> summary = trainable_summary(nnx.LoRALinear(100, 10, lora_rank=1, rngs=nnx.Rngs(0)), nnx.LoRAParam, False, True)
+    >>> summary[1]
+    'training 10.7% of 1.12 K parameters (110, nnx.LoRAParam: the LoRA adapters, by default)'
+    """
+    trained, rest = nnx.split_state(nnx.state(model, nnx.Param), wrt, ...)
+    size = lambda state: sum(int(v.get_value().size) for _, v in flatten_with_paths(state)[0])
+    n, total = size(trained), size(trained) + size(rest)
+    name = getattr(wrt, "__name__", repr(wrt))
+    if chosen:
+        why = f"{_count(n)}, Trainer.wrt={name}"
+    elif wrt is nnx.LoRAParam:
+        why = f"{_count(n)}, nnx.LoRAParam: the LoRA adapters, by default"
+    else:
+        why = "every nnx.Param: the model holds no LoRA parameters"
+    line = f"training {100 * n / max(total, 1):.3g}% of {_count(total)} parameters ({why})"
+    if not chosen and wrt is nnx.Param and pretrained:
+        return logging.WARNING, line + "; a LoRA provider that matched no module makes this a full fine-tune"
+    return logging.INFO, line
+
+
+def load_weights(
+    load: Callable[[Any], Any],
+    objects: dict[str, Any],
+    wrt: Any,
+    chosen: bool,
+    announce: Callable[[int, str], None],
+) -> None:
+    """Runs the Trainer's ``load_pretrained`` on the new model (the EMA then starts from its weights) and
+    announces what trains (:func:`trainable_summary`)."""
+    pretrained = load(objects["model"]) is not None
+    if pretrained and "ema" in objects:
+        refresh_ema(objects["model"], objects["ema"])  # of the pretrained weights, not the random ones
+    announce(*trainable_summary(objects["model"], wrt, chosen, pretrained))
 
 
 def refresh_ema(model: Any, ema: Any) -> None:

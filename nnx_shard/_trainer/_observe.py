@@ -126,6 +126,12 @@ class Observer:
                         key, value, int(record["step"])
                     )  # written out every 10 s and at the end
 
+    def announce(self, level: int, text: str) -> None:
+        """A line said once at the start: logged at ``level``, and printed by process 0 unless progress is off."""
+        logger.log(level, "%s", text)
+        if self.main and self.progress != "off":
+            print(text, flush=True)
+
     def event(self, name: str, seconds: float, step: int, **fields: Any) -> None:
         """Where wall time went (compile, save, restore, resize, eval): a line, a JSON line, a scalar.
 

@@ -23,7 +23,7 @@ from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._aot import compile_step, suggest_layout
 from nnx_shard._trainer._checkpoints import restore_options, save_step
 from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
-from nnx_shard._trainer._finetune import labels, refresh_ema, resolve_wrt
+from nnx_shard._trainer._finetune import labels, load_weights, resolve_wrt
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._loop import Callback, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
@@ -230,8 +230,7 @@ class Trainer:
         if self.hooks.initialized:
             return
         objects = self.hooks.on_init(self._create)
-        if self.load_pretrained(objects["model"]) is not None and "ema" in objects:
-            refresh_ema(objects["model"], objects["ema"])  # of the pretrained weights, not the random ones
+        load_weights(self.load_pretrained, objects, self._wrt, self.wrt is not None, self.observer.announce)
         graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
         mode = self.config.on_nonfinite
         self._compile_for(CompiledSteps(self.mesh, self.hooks.plan, self.train_step, mode, graphdefs))

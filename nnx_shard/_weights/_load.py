@@ -124,25 +124,15 @@ def plan_fills(
                 try:
                     done = full_ops(ops, shape, full[len(index) :])
                 except WeightsMismatchError as e:
-                    problems.append(f"{name} -> {target}{list(index) if index else ''} (rule r'{regex.pattern}'): {e}")
+                    problems.append(
+                        f"{name} -> {target}{list(index) if index else ''} (rule r'{regex.pattern}'): {e}"
+                    )
                     continue
                 if any(not 0 <= i < d for i, d in zip(index, full, strict=False)):
                     problems.append(f"{name} -> {target}{list(index)}: index outside {full}")
                     continue
                 fills.setdefault(target, []).append(_Fill(file, name, index, done, tuple(shape)))
-    unfilled = []
-    for path, v in leaves.items():
-        hit = [p for p in skip if re.fullmatch(p, path)]
-        used.update(dict.fromkeys(hit, True))
-        if not _required(v) or hit:
-            continue
-        got = fills.get(path, [])
-        depth = len(got[0].index) if got else 0
-        need = math.prod(v.get_value().shape[:depth]) if depth else 1
-        if len({f.index for f in got}) < need:
-            unfilled.append(
-                f"{path} {tuple(v.get_value().shape)}" + (f" ({len(got)} of {need} filled)" if got else "")
-            )
+    unfilled = _unfilled(leaves, fills, skip, used)
     idle = [f"{'ignore' if p in ignore else 'skip'}={p!r}" for p, hit in used.items() if not hit]
     if strict and (unmapped or unfilled or problems):
         text = mismatches(
@@ -160,6 +150,26 @@ def plan_fills(
     if lora:
         notes.append(f"{lora} LoRA parameters left as created")
     return fills, notes
+
+
+def _unfilled(
+    leaves: dict[str, Any], fills: dict[str, list[_Fill]], skip: Sequence[str], used: dict
+) -> list[str]:
+    """The required leaves no fill covers whole (``used`` records which ``skip`` patterns matched)."""
+    out = []
+    for path, v in leaves.items():
+        hit = [p for p in skip if re.fullmatch(p, path)]
+        used.update(dict.fromkeys(hit, True))
+        if not _required(v) or hit:
+            continue
+        got = fills.get(path, [])
+        depth = len(got[0].index) if got else 0
+        need = math.prod(v.get_value().shape[:depth]) if depth else 1
+        if len({f.index for f in got}) < need:
+            out.append(
+                f"{path} {tuple(v.get_value().shape)}" + (f" ({len(got)} of {need} filled)" if got else "")
+            )
+    return out
 
 
 def _box(index: Any, shape: tuple[int, ...]) -> Box:

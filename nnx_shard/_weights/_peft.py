@@ -13,7 +13,9 @@ kernels of any rank (a layout that mixes them is an error, never a guess).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from nnx_shard._weights._hf_folder import write_folder
 from nnx_shard._weights._keys import Rule, file_shapes, host_value, key_rules, model_leaves, targets_of
 from nnx_shard._weights._lora import Adapter, find_adapters
 from nnx_shard._weights._transforms import full_ops, invert
-from nnx_shard.errors import WeightsMismatchError
+from nnx_shard.errors import UnsupportedConfigError, WeightsMismatchError
 from nnx_shard.key_maps import architecture_of, resolve_key_map
 
 CONFIG = "adapter_config.json"
@@ -196,20 +198,68 @@ def _config(
     }
 
 
+#: PEFT config fields that change what the adapters compute, with the values that load exactly.
+REFUSED = {
+    "peft_type": ("LORA",),
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "lora_bias": (False, None),
+    "bias": ("none", None),
+    "modules_to_save": (None, []),
+    "trainable_token_indices": (None, {}, []),
+    "use_qalora": (False, None),
+    "alora_invocation_tokens": (None, []),
+}
+
+
+def pattern_key(patterns: Sequence[str], module: str) -> str | None:
+    r"""The first ``rank_pattern`` / ``alpha_pattern`` key that matches ``module`` as PEFT matches it: a regex
+    against the end of the module's name, at a dot (``"v_proj"`` matches ``model.layers.0.self_attn.v_proj``).
+
+    >>> pattern_key(["k_proj", "v_proj"], "model.layers.0.self_attn.v_proj")
+    'v_proj'
+    >>> pattern_key([r"layers\.1\..*"], "model.layers.0.self_attn.v_proj") is None
+    True
+    """
+    return next((k for k in patterns if re.match(rf"(.*\.)?({k})$", module)), None)
+
+
+def peft_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
+    """``(r, scale)`` PEFT gives ``module``: ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA, patterns applied."""
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    r_key, a_key = pattern_key(list(ranks), module), pattern_key(list(alphas), module)
+    r = ranks[r_key] if r_key is not None else config.get("r", 8)
+    alpha = alphas[a_key] if a_key is not None else config.get("lora_alpha", 8)
+    return int(r), float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def _check_config(path: Path, config: dict[str, Any]) -> None:
+    for field, allowed in REFUSED.items():
+        if field in config and config[field] not in allowed:
+            raise UnsupportedConfigError(
+                f"{path}: {field}={config[field]!r} changes what the adapters compute, and nnx_shard loads "
+                f"plain LoRA (and rsLoRA) only ({field} must be {allowed[0]!r}). Nothing was written.",
+                field=field,
+                value=config[field],
+            )
+
+
 def load_peft_adapters(
     model: Any, folder: str | os.PathLike[str], key_map: Sequence[Rule]
 ) -> tuple[int, list[str]]:
-    """Writes a PEFT folder's A and B into ``model``'s adapters in place; returns (tensors, notes)."""
+    """Writes a PEFT folder's A and B into ``model``'s adapters in place; returns (tensors, notes).
+
+    Every check (the config's fields, each module's rank and layout) runs before the first value is written.
+    """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     folder = Path(folder)
-    config = json.loads((folder / CONFIG).read_text())
-    if config.get("peft_type", "LORA") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
-        raise WeightsMismatchError(
-            f"{folder / CONFIG}: only plain LoRA adapters load (peft_type LORA, no rsLoRA or DoRA); got "
-            f"peft_type={config.get('peft_type')!r}."
-        )
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise WeightsMismatchError(f"{folder / CONFIG} is not readable JSON: {e}") from e
+    _check_config(folder / CONFIG, config)
     files = sorted(folder.glob(f"{WEIGHTS}*.safetensors"))
     try:
         tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
@@ -236,38 +286,55 @@ def load_peft_adapters(
         raise WeightsMismatchError(
             f"the PEFT adapters in {folder} do not fit the model; nothing was written: {problems[:8]}"
         )
-    notes = []
-    for m in modules:
-        base = sources[f"{m}.weight"]
-        _fill(m, adapters[base], leaves, where[base], tensors, config, notes)
+    notes: list[str] = []
+    writes = [
+        w
+        for m in modules
+        for w in _prepare(
+            m, adapters[sources[f"{m}.weight"]], leaves, where[sources[f"{m}.weight"]], tensors, config, notes
+        )
+    ]
+    for var, value in writes:  # all checked: now written
+        x = var.get_value()
+        var.set_value(jax.make_array_from_callback(x.shape, x.sharding, lambda idx, v=value: v[idx]))
+    if config.get("use_rslora"):
+        notes.append("rsLoRA: scale lora_alpha / sqrt(r)")
     return 2 * len(modules), notes
 
 
-def _fill(
+def _prepare(
     m: str, ad: Adapter, leaves: dict[str, Any], where: Any, tensors: dict, config: dict, notes: list
-) -> None:
-    """Writes PEFT module ``m``'s A and B into the adapter ``ad`` (B rescaled when PEFT's scale differs)."""
+) -> list[tuple[Any, np.ndarray]]:
+    """PEFT module ``m``'s A and B as the values of the adapter ``ad`` (B rescaled when PEFT's scale differs)."""
     base = ad.base
     _, ops, file_shape = where
     A, B = tensors[f"{PREFIX}{m}.lora_A.weight"], tensors[f"{PREFIX}{m}.lora_B.weight"]
     rank = A.shape[0]
+    r, peft = peft_scale(config, m)
     a_var, b_var = leaves[ad.a], leaves[ad.b]
     a_shape, b_shape = tuple(a_var.get_value().shape), tuple(b_var.get_value().shape)
+    if rank != r:
+        raise WeightsMismatchError(
+            f"{m}: its lora_A holds rank {rank}, the adapter config gives it r={r} (r, rank_pattern); nothing "
+            f"was written."
+        )
     if a_shape[-1] != rank:
-        raise WeightsMismatchError(f"{m}: PEFT rank {rank}, the model's adapter rank {a_shape[-1]}.")
+        raise WeightsMismatchError(
+            f"{m}: PEFT rank {rank}, the model's adapter rank {a_shape[-1]}: create the model's LoRA with "
+            f"rank {rank} for it (a qwix LoraProvider per rank); nothing was written."
+        )
     cols, rows = _layout(ad, a_shape, b_shape, tuple(leaves[base].get_value().shape), ops, file_shape)
     a2 = np.empty((int(np.prod(a_shape[:-1])), rank), A.dtype)
     a2[cols] = A.T
     b2 = np.empty((rank, int(np.prod(b_shape[1:]))), B.dtype)
     b2[:, rows] = B.T
-    alpha = config.get("alpha_pattern", {}).get(m, config.get("lora_alpha", rank))
-    peft_scale = alpha / config.get("rank_pattern", {}).get(m, config.get("r", rank))
-    if not np.isclose(peft_scale, ad.scale):
-        b2 = b2 * (peft_scale / ad.scale)
+    if not np.isclose(peft, ad.scale):
+        b2 = b2 * (peft / ad.scale)
         notes.append(
-            f"{m}: B scaled by {peft_scale / ad.scale:g} (PEFT's scale {peft_scale:g}, the model's {ad.scale:g})"
+            f"{m}: B scaled by {peft / ad.scale:g} (PEFT's scale {peft:g}, the model's {ad.scale:g})"
         )
-    for var, value in ((a_var, a2.reshape(a_shape)), (b_var, b2.reshape(b_shape))):
-        x = var.get_value()
-        value = value.astype(x.dtype)
-        var.set_value(jax.make_array_from_callback(x.shape, x.sharding, lambda idx, v=value: v[idx]))
+    dtype = lambda var: var.get_value().dtype
+    return [
+        (a_var, a2.reshape(a_shape).astype(dtype(a_var))),
+        (b_var, b2.reshape(b_shape).astype(dtype(b_var))),
+    ]

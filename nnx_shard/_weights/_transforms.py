@@ -115,11 +115,15 @@ def full_ops(ops: Sequence[Op], file_shape: Sequence[int], target_shape: Sequenc
             f"leaf {math.prod(target_shape)}."
         )
     if not is_split_or_merge(after, tuple(target_shape)):
-        hint = ' (add "T" to the rule: the file stores it transposed)' if after == tuple(target_shape)[::-1] else ""
+        hint = (
+            ' (add "T" to the rule: the file stores it transposed)'
+            if after == tuple(target_shape)[::-1]
+            else ""
+        )
         raise WeightsMismatchError(
             f"a {after} tensor{done} is not a {tuple(target_shape)} leaf with axes split or merged in order; "
-            f"reshaping it would scramble its values{hint}. Give the rule a transform, e.g. \"T\" or "
-            f"\"T | reshape(...)\"."
+            f'reshaping it would scramble its values{hint}. Give the rule a transform, e.g. "T" or '
+            f'"T | reshape(...)".'
         )
     return (*ops, Op("reshape", tuple(target_shape)))
 

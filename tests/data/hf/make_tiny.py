@@ -66,7 +66,11 @@ FAMILIES = {
 TOKENS = np.array([[1, 5, 9, 17, 33, 65, 127, 3], [2, 4, 8, 16, 32, 64, 100, 7]], np.int64)
 REAL_TOKENS = np.stack([np.arange(24) * 5 % 127 + 1, np.arange(24)[::-1] * 3 % 120 + 2]).astype(np.int64)
 LLAMA3_SCALING = dict(
-    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
 )  # a short original context, so that the scaling changes frequencies 24 tokens use
 REAL = {
     "llama31": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500_000.0), None),
@@ -125,6 +129,7 @@ def main() -> None:
         return
     for name, (config_cls, model_cls, extra) in FAMILIES.items():
         write(HERE / name, config_cls, model_cls, {**COMMON, **extra}, None, TOKENS)
+
 
 if __name__ == "__main__":
     main()
