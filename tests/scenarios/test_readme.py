@@ -113,3 +113,25 @@ def test_every_public_name_and_error_gets_a_page_of_the_site(docs_generator, tmp
         "`trainer`" not in nnx_shard_docs.config_table()
         and "| `save_every` | `0` |" in nnx_shard_docs.config_table()
     )
+
+
+def test_finetuning_page_runs_as_written(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tunix")
+    blocks = section("Models users bring", page("finetuning.md"))
+    assert len(blocks) == 1 and "..." not in blocks[0]
+    monkeypatch.chdir(ROOT)
+    code = blocks[0].replace("/tmp/ft/", f"{tmp_path}/")
+    namespace: dict = {}
+    exec(compile(code, "finetuning.md", "exec"), namespace)  # our own page, not user input
+    assert "key map Qwen2ForCausalLM (from config.json)" in capsys.readouterr().out
+    assert (tmp_path / "merged" / "config.json").is_file() and (
+        tmp_path / "peft" / "adapter_config.json"
+    ).is_file()
+
+
+def test_the_finetuning_page_tables_every_family_the_code_carries_and_refuses():
+    from nnx_shard._families import TABLE
+
+    text = page("finetuning.md")
+    for family, (carried, refused) in TABLE.items():
+        assert f"| {family} | {carried} | {refused} |" in text, family

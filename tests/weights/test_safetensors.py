@@ -466,3 +466,35 @@ def test_two_processes_load_their_own_bytes_and_export_the_same_files(tmp_path, 
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
     ]
+
+
+def test_what_trains_is_said_at_the_start_and_a_fallen_back_fine_tune_warns(capsys, caplog):
+    import logging
+
+    trainer = LoraTrainer({"total_steps": 1, "progress": "lines", "sharding_strategy": STRATEGY})
+    with caplog.at_level(logging.INFO, logger="nnx_shard"):
+        trainer.init()
+    out = capsys.readouterr().out  # adapters 4*(8+32) + 4*(32+1) = 292 of 292 + 8*32+32 + 32+1 = 613
+    assert "training 47.6% of 613 parameters (292, nnx.LoRAParam: the LoRA adapters, by default)" in out, out
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "training" in r.getMessage()]
+    assert "parameters by label: frozen 321 (52.4%), trainable 292 (47.6%)" in trainer.plan.summary()
+
+    class Pretrained(LoraTrainer):  # a provider that matched nothing: no LoRA, weights loaded
+        def create_model(self, rngs):
+            return nnx.Sequential(nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 1, rngs=rngs))
+
+        def load_pretrained(self, model):
+            return "loaded"
+
+    with caplog.at_level(logging.INFO, logger="nnx_shard"):
+        Pretrained({"total_steps": 1, "progress": "off", "sharding_strategy": STRATEGY}).init()
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "training" in r.getMessage()
+    ]
+    assert warned == [
+        "training 100% of 321 parameters (every nnx.Param: the model holds no LoRA parameters); a LoRA "
+        "provider that matched no module makes this a full fine-tune"
+    ]
+    assert "training 100%" not in capsys.readouterr().out  # progress off: logged, not printed
