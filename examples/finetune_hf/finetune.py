@@ -12,8 +12,10 @@ The path a user takes, each step one call:
      adapters alone as a PEFT folder. With torch, transformers and peft installed (make test-interop),
      both are opened by them and their logits compared with the JAX model's.
 
-The default folder is the tiny random Llama in tests/data/hf/llama; any LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM or Gemma 1, 2 or 3 folder works the same (nothing is downloaded).
+The default folder is the tiny random Llama in tests/data/hf/llama; any LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM or Gemma 1, 2 or 3 folder works the same, as transformers 4.x or 5.x wrote it
+(tests/data/hf/transformers-*; nothing is downloaded). A config field the model cannot compute (a yarn RoPE, a
+softcap tunix's Gemma 3 lacks...) stops it at the first line with UnsupportedConfigError naming the field.
 """
 
 from __future__ import annotations
