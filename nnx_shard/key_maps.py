@@ -304,7 +304,6 @@ def tunix_model(folder: str | os.PathLike[str], **overrides: Any) -> tuple[type,
     no scaling). ``overrides`` replace config fields (``shd_config=...``, ``remat_config=...``). Needs
     google-tunix (``pip install nnx-shard[hf]``).
 
-    >>> import pytest; _ = pytest.importorskip("tunix")
     >>> tunix_model("no/such/folder")
     Traceback (most recent call last):
     ...

@@ -237,6 +237,7 @@ def load_safetensors(
     leaves = model_leaves(model)
     counts = [0, 0]  # bytes read, bytes the shards need (in the files' dtypes)
     casts: set[str] = set()
+    over: list[str] = []  # leaves whose shards read more bytes than they hold
     with contextlib.ExitStack() as stack:
         handles = {}
         headers: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -260,6 +261,8 @@ def load_safetensors(
             counts[0] += read
             counts[1] += held
             casts.update(cast)
+            if read > held:
+                over.append(path)
 
         x64 = bool(jax.config.jax_enable_x64)  # the caller's: maybe a `with jax.enable_x64()` of its thread
         with ThreadPoolExecutor(_THREADS, thread_name_prefix="nnx-shard-load") as pool:
@@ -274,6 +277,11 @@ def load_safetensors(
         needed = counts[1]
     if casts:
         notes.append("cast " + ", ".join(sorted(casts)))
+    if over:
+        notes.append(
+            f"read {counts[0] - needed:,} bytes more than the shards hold, for {len(over)} leaves (first "
+            f"{over[0]}): a reshape in their rule splits the sharded axis, so a shard reads whole units of it"
+        )
     if chosen:
         notes.insert(0, chosen)
     tensors = sum(len(g) for g in fills.values())

@@ -498,3 +498,20 @@ def test_what_trains_is_said_at_the_start_and_a_fallen_back_fine_tune_warns(caps
         "provider that matched no module makes this a full fine-tune"
     ]
     assert "training 100%" not in capsys.readouterr().out  # progress off: logged, not printed
+
+
+def test_the_report_says_when_more_bytes_were_read_than_the_shards_hold_and_why(tmp_path):
+    from safetensors.numpy import save_file
+
+    class Flat(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(48))
+
+    save_file({"w": np.arange(48, dtype=np.float32).reshape(4, 12)}, str(tmp_path / "model.safetensors"))
+    from tests.helpers import mesh_of
+
+    model, _ = ns.create_sharded(Flat, STRATEGY, mesh_of("8"))
+    report = ns.load_safetensors(model, tmp_path, [("w", "w")])  # (4, 12) merged into 48: 6 per device
+    np.testing.assert_array_equal(np.asarray(model.w.get_value()), np.arange(48))
+    assert report.bytes_read > report.bytes_needed == 48 * 4
+    assert any("bytes more than the shards hold, for 1 leaves (first w)" in n for n in report.notes), report
