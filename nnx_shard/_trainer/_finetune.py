@@ -45,7 +45,7 @@ def trainable_summary(model: Any, wrt: Any, chosen: bool, pretrained: bool) -> t
 
     >>> summary = trainable_summary(nnx.LoRALinear(100, 10, lora_rank=1, rngs=nnx.Rngs(0)), nnx.LoRAParam, False, True)
     >>> summary[1]
-    'training 10.7% of 1.12 K parameters (110, nnx.LoRAParam: the LoRA adapters, by default)'
+    'training 9.82% of 1.12 K parameters (110, nnx.LoRAParam: the LoRA adapters, by default)'
     """
     trained, rest = nnx.split_state(nnx.state(model, nnx.Param), wrt, ...)
     size = lambda state: sum(int(v.get_value().size) for _, v in flatten_with_paths(state)[0])

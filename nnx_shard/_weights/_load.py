@@ -227,10 +227,8 @@ def load_safetensors(
     key_map, chosen = resolve_key_map(key_map, model, files)
     if is_peft_folder(files):
         count, peft_notes = load_peft_adapters(model, files, key_map)
-        seconds = time.perf_counter() - start
-        return LoadReport(
-            count, 0, 0, seconds, tuple(["PEFT adapters", *([chosen] if chosen else []), *peft_notes])
-        )
+        notes = ["PEFT adapters", *([chosen] if chosen else []), *peft_notes]
+        return LoadReport(count, 0, 0, time.perf_counter() - start, tuple(notes))
     if isinstance(files, (str, os.PathLike)):
         check_model_config(model, files)  # a tunix model built unlike the checkpoint: named, nothing read
     paths = resolve_files(files)
@@ -274,18 +272,20 @@ def load_safetensors(
                 pending.append((path, size, pool.submit(_make_leaf, x, group, handles, views, x64)))
             while pending:
                 settle()
-        needed = counts[1]
-    if casts:
-        notes.append("cast " + ", ".join(sorted(casts)))
+    notes = [*([chosen] if chosen else []), *notes, *_read_notes(casts, over, counts[0] - counts[1])]
+    tensors = sum(len(g) for g in fills.values())
+    return LoadReport(tensors, counts[0], counts[1], time.perf_counter() - start, tuple(notes))
+
+
+def _read_notes(casts: set[str], over: list[str], extra: int) -> list[str]:
+    """The report's notes on the values read: casts, and bytes read beyond what the shards hold (and why)."""
+    notes = ["cast " + ", ".join(sorted(casts))] if casts else []
     if over:
         notes.append(
-            f"read {counts[0] - needed:,} bytes more than the shards hold, for {len(over)} leaves (first "
-            f"{over[0]}): a reshape in their rule splits the sharded axis, so a shard reads whole units of it"
+            f"read {extra:,} bytes more than the shards hold, for {len(over)} leaves (first {over[0]}): a "
+            f"reshape in their rule splits the sharded axis, so a shard reads whole units of it"
         )
-    if chosen:
-        notes.insert(0, chosen)
-    tensors = sum(len(g) for g in fills.values())
-    return LoadReport(tensors, counts[0], needed, time.perf_counter() - start, tuple(notes))
+    return notes
 
 
 def _make_leaf(
