@@ -4,7 +4,7 @@
 from nnx_shard._base import _versions  # noqa: F401
 from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, cached, clear_caches
 from nnx_shard._base._format import format_bytes, format_table, parse_bytes
-from nnx_shard._base._jax_private import abstract_construction, distributed_client
+from nnx_shard._base._jax_private import abstract_construction, distributed_client, threefry_kernel
 from nnx_shard._base._mesh import (
     DEFAULT_AXIS_DIMS,
     DEFAULT_AXIS_NAMES,
@@ -94,6 +94,7 @@ __all__ = [
     "shard_shape",
     "spec_axes",
     "spec_problems",
+    "threefry_kernel",
     "trim_spec",
     "visible",
 ]

@@ -1,5 +1,5 @@
-"""The one place nnx_shard reaches into JAX's private modules: the coordination-service client, and one
-workaround for tracing a model's construction.
+"""The one place nnx_shard reaches into JAX's private modules: the coordination-service client, one
+workaround for tracing a model's construction, and JAX's threefry kernel scoped to one lowering.
 
 ``barrier_sync`` needs the distributed client's key-value store and barriers,
 which JAX does not export. Everything else in the package uses public JAX.
@@ -66,3 +66,31 @@ def abstract_construction() -> Iterator[None]:
         yield
     finally:
         cls._origin_msg = original
+
+
+@contextlib.contextmanager
+def threefry_kernel(platform: str) -> Iterator[None]:
+    """On GPUs, lowers threefry (``jax.random``) to JAX's own kernel while this context is open; elsewhere nothing.
+
+    XLA's GPU compile of the inlined threefry hash takes minutes for a model of
+    200 arrays (ViT-B's init: > 140 s on an H200, 4.5 s with the kernel, which
+    computes the same bits). The flag is ``jax_threefry_gpu_kernel_lowering``,
+    part of jit's cache key and trace context, and read when a program is
+    lowered; here it holds for the lowerings inside the context only, so no
+    setting of the user's changes after the call. JAX exports it only as a
+    global ``jax.config`` option, hence this private reach.
+    """
+    if platform != "gpu":
+        yield
+        return
+    try:
+        from jax._src import config
+    except ImportError:  # pragma: no cover - moved in a future JAX
+        yield
+        return
+    flag = getattr(config, "threefry_gpu_kernel_lowering", None)
+    if flag is None:  # pragma: no cover - renamed in a future JAX
+        yield
+        return
+    with flag(True):
+        yield

@@ -9,11 +9,13 @@ changed word changes it (an odd weight times a non-zero difference is
 non-zero modulo 2**32); several changed words cancel only by a 1 in 2**32
 chance.
 
-Where it is computed:
-- On GPUs and TPUs (and across processes), each device sums its own shard block
-  by block (the temporary is one 64 KiB block), then one psum adds the shards:
-  one pass, memory-bound (about 10 GB/s on a 2-core CPU's simulated devices),
-  one program compiled per shape, dtype and sharding.
+Where it is computed (:func:`route` names it, per array):
+- On GPUs and TPUs, each device sums its own shard in one fused pass (XLA fuses
+  the weighting into the reduction there: no temporary), then one psum adds the
+  shards; one program compiled per shape, dtype and sharding.
+- On CPU devices across processes, the same, block by block (XLA's CPU backend
+  does not fuse the weighting: the temporary is one 64 KiB block): one pass,
+  memory-bound (about 10 GB/s on a 2-core CPU's simulated devices).
 - On this process's CPU devices, each block is summed where it lies, by NumPy
   over a view of its buffer: the weight is linear in the position but for its
   parity, so the sum follows from the block's sums over each dimension (two
@@ -248,12 +250,14 @@ def _by_shard(x: jax.Array) -> bool:
 
 
 @cached(maxsize=256)
-def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Any:
-    """The same sum as :func:`_one`, each device over its own shard in 64 KiB blocks, then one ``psum``.
+def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, blocks: bool) -> Any:
+    """The same sum as :func:`_one`, each device over its own shard, then one ``psum``.
 
-    XLA's CPU backend does not fuse the weighting into the reduction, so the
-    whole-array program holds a weighted copy of each shard; block by block,
-    the temporary is one block.
+    With ``blocks`` (CPU devices), the shard is summed in 64 KiB blocks by a
+    loop: XLA's CPU backend does not fuse the weighting into the reduction, so
+    a whole-shard sum would hold a weighted copy of it. Without (GPUs, TPUs),
+    in one pass that XLA fuses: a loop there costs a kernel launch and a host
+    round trip per block.
     """
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     words_shape = shape + ((2,) if jnp.dtype(dtype).itemsize == 8 else ())
@@ -272,6 +276,7 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) 
             rest = rest + jax.lax.broadcasted_iota(jnp.uint32, shard[1:], d - 1) * jnp.uint32(strides[d])
         rows = shard[0]
         block = max(1, min(rows, BLOCK_WORDS // max(1, int(np.prod(shard[1:], dtype=np.int64)))))
+        block = block if blocks else rows
 
         def block_sum(start: jax.Array, size: int) -> jax.Array:
             # Slice first, then reinterpret: the words of one block, never of the whole shard.
@@ -292,6 +297,45 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) 
             local, mesh=sharding.mesh, in_specs=(sharding.spec,), out_specs=PartitionSpec(), check_vma=False
         )
     )
+
+
+@cached(maxsize=256)
+def _block_program(shape: tuple[int, ...], dtype: Any, global_shape: tuple[int, ...]) -> Any:
+    """``(block, base) -> share``: :func:`block_fingerprint` of a block of ``global_shape`` whose first word is
+    at global index ``base``, on the block's own device, in one fused pass (``base`` is an argument: one
+    program for every block of one shape)."""
+    extra = (2,) if jnp.dtype(dtype).itemsize == 8 else ()
+    words_shape, global_words = shape + extra, global_shape + extra
+    strides = [int(np.prod(global_words[d + 1 :], dtype=object)) % 2**32 for d in range(len(global_words))]
+
+    def share(x: jax.Array, base: jax.Array) -> jax.Array:
+        words = _words(x).reshape(words_shape) if words_shape else _words(x).reshape(1)
+        index = jnp.full(words.shape, base, jnp.uint32)
+        for d in range(len(words_shape)):
+            index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(strides[d])
+        return _weighted_sum(words, index)
+
+    return jax.jit(share)
+
+
+def device_shares(blocks: Sequence[tuple[jax.Array, Sequence[int], Sequence[int]]]) -> list[jax.Array]:
+    """Each ``(block, start, global shape)``'s share of its array's fingerprint, dispatched on the block's own
+    device and not waited for (a uint32 scalar each; ``int()`` reads it). The shares of blocks tiling an
+    array add up to :func:`fingerprints`' value, as :func:`block_fingerprint`'s do.
+
+    >>> x = jnp.arange(24.0).reshape(4, 6)
+    >>> [int(s) for s in device_shares([(x[:2], (0, 0), (4, 6))])] == [block_fingerprint(np.asarray(x[:2]), (0, 0), (4, 6))]
+    True
+    """
+    out = []
+    for data, start, shape in blocks:
+        words = tuple(shape) + ((2,) if jnp.dtype(data.dtype).itemsize == 8 else ())
+        strides = [int(np.prod(words[d + 1 :], dtype=object)) for d in range(len(words))]
+        base = sum(int(f) * st for f, st in zip(start, strides, strict=False)) % 2**32
+        program = _block_program(tuple(data.shape), data.dtype, tuple(shape))
+        device = next(iter(data.devices()))
+        out.append(program(data, jax.device_put(np.uint32(base), device)))
+    return out
 
 
 def _host(sums: jax.Array) -> np.ndarray:
@@ -342,13 +386,41 @@ def _fingerprints(arrays: list[jax.Array]) -> list[str]:
             groups.setdefault(_signature(x), []).append(i)
     for members in groups.values():
         first = arrays[members[0]]
-        step = CHUNK if first.nbytes <= SMALL_BYTES and len(members) > CHUNK else 1
+        step = CHUNK if _batched(first, len(members)) else 1
         for k in range(0, len(members), step):
             chunk = members[k : k + step]
-            if step == 1 and _by_shard(first):  # a large array: block by block on each device
-                sums = _host(_shard_program(first.shape, first.dtype, first.sharding)(arrays[chunk[0]]))
+            if step == 1 and _by_shard(first):  # a large array: each device over its shard, one psum
+                program = _shard_program(first.shape, first.dtype, first.sharding, _platform(first) == "cpu")
+                sums = _host(program(arrays[chunk[0]]))
             else:
                 sums = _host(_program()([arrays[i] for i in chunk]))
             for i, value in zip(chunk, sums, strict=True):
                 out[i] = f"{int(value):08x}"
     return out
+
+
+def _platform(x: jax.Array) -> str:
+    return next(iter(x.sharding.device_set)).platform
+
+
+def _batched(x: jax.Array, count: int) -> bool:
+    return x.nbytes <= SMALL_BYTES and count > CHUNK
+
+
+def route(x: Any, count: int = 1) -> str:
+    """How :func:`fingerprints` sums ``x`` (one of ``count`` arrays of its shape, dtype and sharding):
+    ``"host"`` (small, in NumPy), ``"in_place"`` (NumPy over this process's CPU buffers), ``"blocks"`` (a
+    program, 64 KiB blocks per shard: CPU devices), ``"fused"`` (a program, one pass per shard: GPUs and
+    TPUs), ``"whole"`` (a program over the whole array: a sharding that does not divide it) or ``"batched"``
+    (64 small arrays per program call).
+
+    >>> route(jnp.ones(4)), route(jnp.ones((512, 512)))
+    ('host', 'in_place')
+    """
+    if _on_host(x):
+        return "host"
+    if _in_place(x):
+        return "in_place"
+    if _batched(x, count) or not _by_shard(x):
+        return "batched" if _batched(x, count) else "whole"
+    return "blocks" if _platform(x) == "cpu" else "fused"

@@ -83,11 +83,22 @@ def copy_in(buf: np.ndarray, pieces: Sequence[dict[str, Any]], sources: Sequence
     in_threads(copy, [p["nbytes"] for p in pieces], serial_below=2**22)
 
 
-def header_bytes(buf: np.ndarray, step: int, pieces: list[dict[str, Any]], data_state: Any = None) -> bytes:
+def header_bytes(
+    buf: np.ndarray,
+    step: int,
+    pieces: list[dict[str, Any]],
+    data_state: Any = None,
+    shares: Sequence[int] | None = None,
+) -> bytes:
     """The JSON header of a snapshot whose shards are in ``buf``: its step, process, pieces (each with its
-    ``share`` of its array's fingerprint, summed from the bytes in ``buf``) and this process's data state."""
-    for p in pieces:  # in one thread: it runs beside the steps, which have the cores
-        p["share"] = block_fingerprint(_piece(buf, p), [a for a, _ in p["index"]], p["shape"])
+    ``share`` of its array's fingerprint: ``shares`` when the devices summed them, else summed from the
+    bytes in ``buf``) and this process's data state."""
+    for k, p in enumerate(pieces):  # in one thread: it runs beside the steps, which have the cores
+        p["share"] = (
+            shares[k]
+            if shares is not None
+            else block_fingerprint(_piece(buf, p), [a for a, _ in p["index"]], p["shape"])
+        )
     header = {"step": step, "process": jax.process_index(), "pieces": pieces, "data_state": data_state}
     return json.dumps(header).encode()
 

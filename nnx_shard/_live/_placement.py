@@ -19,6 +19,7 @@ from nnx_shard._base import (
     format_spec,
     is_graph_object,
     spec_problems,
+    threefry_kernel,
     visible,
 )
 from nnx_shard._reshard import from_host
@@ -262,7 +263,29 @@ def sharded_init_fn(
         with _creation(mesh, rules, eager):
             return _states(factory())
 
-    return jax.jit(init, out_shardings=plan.shardings), abstract, plan
+    return ShardedInit(jax.jit(init, out_shardings=plan.shardings), mesh), abstract, plan
+
+
+class ShardedInit:
+    """The jitted init of :func:`sharded_init_fn`: call it, or ``lower()`` it to compile and inspect.
+
+    On GPUs it is lowered with JAX's threefry kernel (``jax.random`` bits
+    unchanged): XLA compiles the inlined hash of a model's 200 arrays for
+    minutes, the kernel in seconds. The setting holds inside the call only.
+    """
+
+    def __init__(self, jitted: Any, mesh: Mesh):
+        self.jitted = jitted
+        self.platform = mesh.devices.flat[0].platform
+
+    def __call__(self) -> Any:
+        with threefry_kernel(self.platform):
+            return self.jitted()
+
+    def lower(self) -> Any:
+        """``jax.jit``'s ``lower()``, under the same threefry setting as a call (``.compile()`` next)."""
+        with threefry_kernel(self.platform):
+            return self.jitted.lower()
 
 
 @contextlib.contextmanager

@@ -122,3 +122,34 @@ def test_a_snapshot_restores_onto_more_processes_than_it_had(tmp_path, multiproc
         assert r.value["step"] == 7 and r.value["digests"] == expected  # bitwise, whoever held it
         assert r.value["devices"]["model/layers/0/kernel"] == 4  # on the new run's 2 x 2 devices
     assert jax.process_count() == 1
+
+
+def test_shares_summed_by_the_devices_when_the_copy_leaves_them_are_the_bytes_shares(tmp_path, monkeypatch):
+    """As on a GPU: the shards' copies to host memory are asynchronous, and each piece's fingerprint share is
+    summed on its device before the next step; the header then holds what the bytes give (unpack checks)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnx_shard._checkpoint import _snapshot, _snapshot_file, tree_fingerprints
+    from tests.helpers import mesh_of
+
+    mesh = mesh_of("8")
+    states = {
+        "w": jax.device_put(jnp.arange(4096.0).reshape(64, 64), NamedSharding(mesh, PartitionSpec("fsdp"))),
+        "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), NamedSharding(mesh, PartitionSpec())),
+    }
+    calls = []
+    monkeypatch.setattr(_snapshot, "host_memory", lambda data: jnp.copy(data))  # a copy, not the buffer
+    real = _snapshot.device_shares
+    monkeypatch.setattr(_snapshot, "device_shares", lambda blocks: calls.append(len(blocks)) or real(blocks))
+    writer = _snapshot.SnapshotWriter(tmp_path / "snap")
+    assert writer.write(3, states)
+    writer.wait()
+    assert calls == [9]  # 8 blocks of w, the one replica-0 copy of b
+    header, _ = _snapshot_file.unpack(np.fromfile(writer.folder / "step-3" / "own.bin", np.uint8))
+    sums = {}
+    for p in header["pieces"]:
+        sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
+    assert {k: f"{v:08x}" for k, v in sums.items()} == tree_fingerprints(states)
+    writer.close(remove=True)

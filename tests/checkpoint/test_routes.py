@@ -1,0 +1,99 @@
+"""Which path each backend takes: fingerprints, the gradient norm and the threefry lowering of sharded creation.
+
+The GPU and TPU paths cannot run here; these tests pin the choice (by platform) and check, on the CPU, that
+the fused program computes what the blocked one and the host do, so that a GPU runs the same sum."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import nnx_shard as ns
+from nnx_shard._base import threefry_kernel
+from nnx_shard._checkpoint import _fingerprint as fp
+from nnx_shard._trainer._norm import global_norm, norm_route
+from tests.helpers import mesh_of
+
+
+class FakeDevice:
+    def __init__(self, platform):
+        self.platform = platform
+
+
+class FakeMesh:
+    def __init__(self, platform):
+        self.devices = np.array([FakeDevice(platform)])
+
+
+@pytest.mark.parametrize("platform, route", [("cpu", "shard_map"), ("gpu", "fused"), ("tpu", "fused")])
+def test_the_norm_takes_one_collective_on_cpus_and_fuses_elsewhere(platform, route):
+    assert norm_route(FakeMesh(platform)) == route
+
+
+def test_both_norm_routes_give_the_same_norm(monkeypatch):
+    mesh = mesh_of("8")
+    grads = {"a": jnp.arange(64.0).reshape(8, 8), "b": jnp.ones(3)}
+    shardings = {"a": NamedSharding(mesh, PartitionSpec("fsdp")), "b": NamedSharding(mesh, PartitionSpec())}
+    placed = {k: jax.device_put(v, shardings[k]) for k, v in grads.items()}
+    one = jax.jit(lambda g: global_norm(g, shardings, mesh))(placed)
+    from nnx_shard._trainer import _norm
+
+    monkeypatch.setattr(_norm, "norm_route", lambda mesh: "fused")
+    fused = jax.jit(lambda g: global_norm(g, shardings, mesh))(placed)
+    want = np.sqrt(sum(float(np.sum(np.square(np.asarray(v)))) for v in grads.values()))
+    np.testing.assert_allclose([float(one), float(fused)], [want, want], rtol=1e-6)
+
+
+def test_fingerprint_routes_by_size_place_and_platform(monkeypatch):
+    mesh = mesh_of("8")
+    big = jax.device_put(jnp.ones((1024, 64)), NamedSharding(mesh, PartitionSpec("fsdp")))
+    assert fp.route(jnp.ones(8)) == "host"
+    assert fp.route(big) == "in_place"
+    monkeypatch.setattr(fp, "IN_PLACE", False)  # as across processes: a program per shard
+    assert fp.route(big) == "blocks"
+    assert fp.route(jax.device_put(jnp.ones((1024, 64)), NamedSharding(mesh, PartitionSpec()))) == "blocks"
+    monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
+    assert fp.route(big) == "fused"
+    small = jnp.ones((64, 300))  # > HOST_BYTES, <= SMALL_BYTES
+    assert fp.route(small, count=65) == "batched"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float64])
+def test_the_fused_shard_program_sums_what_the_blocked_one_and_the_host_do(dtype):
+    mesh = mesh_of("8")
+    with jax.enable_x64(dtype == jnp.float64):
+        x = jax.device_put(
+            jnp.asarray(np.random.default_rng(0).normal(size=(4096, 24)) * 50).astype(dtype),
+            NamedSharding(mesh, PartitionSpec("fsdp", None)),
+        )
+        sums = [
+            int(np.asarray(fp._shard_program(x.shape, x.dtype, x.sharding, blocks)(x))[0])
+            for blocks in (True, False)
+        ]
+        host = fp.block_fingerprint(np.asarray(x), (0,) * x.ndim, x.shape)
+    assert sums[0] == sums[1] == host
+
+
+def test_threefry_kernel_is_set_inside_the_context_on_gpus_only():
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    with threefry_kernel("cpu"):
+        assert jax.config.jax_threefry_gpu_kernel_lowering == before
+    with threefry_kernel("gpu"):
+        assert jax.config.jax_threefry_gpu_kernel_lowering is True
+    assert jax.config.jax_threefry_gpu_kernel_lowering == before
+
+
+def test_sharded_creation_leaves_the_users_settings_as_they_were():
+    from flax import nnx
+
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    init, _, _ = ns.sharded_init_fn(
+        lambda: nnx.Linear(8, 64, rngs=nnx.Rngs(0)), [(".*", "replicate")], mesh_of("8")
+    )
+    states = init()
+    assert init.lower().compile().memory_analysis() is not None
+    assert jax.config.jax_threefry_gpu_kernel_lowering == before
+    assert states["kernel"].get_value().shape == (8, 64)
