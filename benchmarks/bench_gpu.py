@@ -13,8 +13,14 @@ Each part runs in a fresh process of this script, so each allocator peak is its 
   comparison, and the Trainer's ``compile_report`` peak against ``memory_stats`` while it trains;
 - ``create_sharded`` / ``device_put``: a model + adamw + EMA stack created in its shardings, or built
   whole and then placed; seconds and the allocator's peak;
-- ``save``, then ``restore_nnx_shard`` / ``restore_orbax``: ``ShardingHooks.restore_and_reshard``
-  (verified) against plain Orbax into the same shardings;
+- ``save``, then ``restore_nnx_shard`` / ``restore_nnx_shard_unverified`` / ``restore_orbax``:
+  ``ShardingHooks.restore_and_reshard`` (verified, and with ``Checkpointer(verify=False)``) against plain
+  Orbax into the same shardings, each three times in its process (cold: the first; warm: the next two);
+- ``saves``: ``ShardingHooks.save`` and the ``Checkpointer`` against plain Orbax's ``CheckpointManager``,
+  sync and async (the call's return and the finished write), and the Trainer's step while an async save
+  of it runs against the same steps without;
+- ``snapshots``: the step's Trainer with ``snapshot_every`` 0, 10 and 100 in alternating rounds (taken
+  and skipped counted), and one snapshot's milliseconds on the step's path and in the background;
 - ``vit_init`` / ``vit_init_inlined``: the compile of the ViT example's sharded init alone, as shipped (on
   a GPU with JAX's threefry kernel, scoped to the lowering) and with JAX's default lowering, the inlined
   hash (the code before: over 140 s on an H200, so capped at ``INLINED_CAP_S``); ``init_bits``: a tiny
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +51,10 @@ PARTS = (  # the quick ones first
     "device_put",
     "save",
     "restore_nnx_shard",
+    "restore_nnx_shard_unverified",
     "restore_orbax",
+    "saves",
+    "snapshots",
     "init_bits",
     "vit_init",
     "vit_init_inlined",
@@ -63,9 +73,11 @@ STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard
 def sizes(smoke: bool) -> dict[str, object]:
     if smoke:
         return dict(vit_config="tiny", vit_batch=16, vit_steps=3, vit_rounds=2, width=64, depth=2, rows=16,
-                    steps=3, rounds=2, layers=2, stack_width=256, example_steps=4)  # fmt: skip
+                    steps=3, rounds=2, layers=2, stack_width=256, example_steps=4, snapshot_steps=20,
+                    snapshot_rounds=2)  # fmt: skip
     return dict(vit_config="b16", vit_batch=128, vit_steps=10, vit_rounds=5, width=4096, depth=8, rows=1024,
-                steps=20, rounds=5, layers=8, stack_width=4096, example_steps=20)  # fmt: skip
+                steps=20, rounds=5, layers=8, stack_width=4096, example_steps=20, snapshot_steps=100,
+                snapshot_rounds=3)  # fmt: skip
 
 
 def fingerprint(x) -> int:
@@ -250,26 +262,129 @@ def part_restore(s: dict, work: Path, variant: str) -> dict:
     mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
     abstract = nnx.eval_shape(_stack(s))
     shardings = ns.infer_sharding(abstract, STRATEGY, mesh)
-    t = time.perf_counter()
-    if variant == "restore_nnx_shard":
-        hooks = ns.ShardingHooks(STRATEGY, mesh)
-        hooks.adopt(abstract)  # nothing allocated before the read
-        report = str(hooks.restore_and_reshard(ns.Checkpointer(str(work / "ckpt"))))  # content verified
-        states = hooks.states()
-    else:  # plain Orbax into the same shardings, the target built by hand
-        report = ""
-        target = ns.abstract_target({k: nnx.state(v) for k, v in abstract.items()}, shardings)
-        restore = ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
-        )
-        with ocp.CheckpointManager(str(work / "ckpt")) as mgr:
-            states = mgr.restore(1, args=ocp.args.Composite(state=restore))["state"]
+    times = []
+    for _ in range(3):  # cold (the first in this process), then warm twice
+        t = time.perf_counter()
+        if variant.startswith("restore_nnx_shard"):
+            hooks = ns.ShardingHooks(STRATEGY, mesh)
+            hooks.adopt(abstract)  # nothing allocated before the read
+            verify = not variant.endswith("unverified")
+            report = str(hooks.restore_and_reshard(ns.Checkpointer(str(work / "ckpt"), verify=verify)))
+            states = hooks.states()
+        else:  # plain Orbax into the same shardings, the target built by hand
+            report = ""
+            target = ns.abstract_target({k: nnx.state(v) for k, v in abstract.items()}, shardings)
+            restore = ocp.args.PyTreeRestore(
+                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+            )
+            with ocp.CheckpointManager(str(work / "ckpt")) as mgr:
+                states = mgr.restore(1, args=ocp.args.Composite(state=restore))["state"]
+        jax.block_until_ready(states)
+        times.append(time.perf_counter() - t)
+        kernel = states["model"]["layers"][0]["kernel"]
+        kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
+        value = fingerprint(kernel)
+        del states, kernel
+    return {"seconds": round(times[0], 3), "seconds_warm": round(min(times[1:]), 3), "seconds_all": [round(t, 3) for t in times],
+            "memory_stats": allocator(), "fingerprint": value, "report": report}  # fmt: skip
+
+
+def part_saves(s: dict, work: Path) -> dict:
+    """Saves of the stack, sync and async, by ShardingHooks / the Checkpointer and by plain Orbax; then the
+    step's Trainer stepping while an async save of its state runs, against the same steps without one."""
+    import jax
+    import orbax.checkpoint as ocp
+    from bench_step import quiet_trainer
+
+    import nnx_shard as ns
+
+    mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
+    hooks = ns.ShardingHooks(STRATEGY, mesh)
+    hooks.on_init(_stack(s))
+    states = hooks.states()
     jax.block_until_ready(states)
-    seconds = time.perf_counter() - t
-    kernel = states["model"]["layers"][0]["kernel"]
-    kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
-    return {"seconds": round(seconds, 3), "memory_stats": allocator(), "fingerprint": fingerprint(kernel),
-            "report": report}  # fmt: skip
+    out: dict[str, object] = {"state_bytes": hooks.plan.total_bytes}
+    for k, kind in enumerate(("sync", "async", "sync", "async")):  # alternating, each into a new folder
+        t = time.perf_counter()
+        with ns.Checkpointer(str(work / f"ours{k}"), async_save=kind == "async") as ckpt:
+            hooks.save(ckpt, 1)
+            returned = time.perf_counter() - t
+            ckpt.wait_until_finished()
+        ours = (returned, time.perf_counter() - t)
+        t = time.perf_counter()
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=kind == "async")
+        with ocp.CheckpointManager(str(work / f"orbax{k}"), options=options) as mgr:
+            mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(states)))
+            returned = time.perf_counter() - t
+            mgr.wait_until_finished()
+        theirs = (returned, time.perf_counter() - t)
+        for who, (r, done) in (("nnx_shard", ours), ("orbax", theirs)):
+            out.setdefault(f"{who}_{kind}_returned_s", []).append(round(r, 3))
+            out.setdefault(f"{who}_{kind}_finished_s", []).append(round(done, 3))
+    for kind in ("sync", "async"):
+        a, b = min(out[f"nnx_shard_{kind}_finished_s"]), min(out[f"orbax_{kind}_finished_s"])
+        out[f"ratio_{kind}"] = round(a / b, 3)
+    n = jax.device_count()
+    trainer, batch = quiet_trainer(
+        s["width"], s["depth"], s["rows"], mesh=f"fsdp:{n}", workdir=str(work / "t")
+    )
+    trainer.train(lambda step: batch, steps=3)
+    steps = s["steps"]
+    jax.block_until_ready(trainer.states)
+    t = time.perf_counter()
+    trainer.train(lambda step: batch, steps=steps)
+    jax.block_until_ready(trainer.states)
+    plain = (time.perf_counter() - t) / steps
+    trainer.save(force=True)  # async (the Trainer's default): the steps run while it is written
+    t = time.perf_counter()
+    trainer.train(lambda step: batch, steps=steps)
+    jax.block_until_ready(trainer.states)
+    during = (time.perf_counter() - t) / steps
+    trainer.checkpointer.wait_until_finished()
+    out.update(step_ms=round(1e3 * plain, 3), step_ms_during_async_save=round(1e3 * during, 3))
+    out["step_ratio_during_async_save"] = round(during / plain, 3)
+    return out
+
+
+def part_snapshots(s: dict, work: Path) -> dict:
+    """The step's Trainer with snapshot_every 0, 10 and 100, alternating rounds; where one snapshot's time goes."""
+    import statistics
+
+    import jax
+    from bench_snapshot import snapshot_events, where_the_time_goes
+    from bench_step import quiet_trainer
+
+    n, shm = jax.device_count(), "/dev/shm" if os.path.isdir("/dev/shm") else str(work)
+    built = {}
+    for every in (0, 10, 100):
+        trainer, batch = quiet_trainer(
+            s["width"], s["depth"], s["rows"], mesh=f"fsdp:{n}", workdir=str(work / f"snap{every}"),
+            snapshot_every=every, snapshot_dir=tempfile.mkdtemp(prefix="bench_gpu_", dir=shm),
+        )  # fmt: skip
+        trainer.train(lambda step, b=batch: b, steps=1)
+        built[every] = (trainer, batch)
+    times = {every: [] for every in built}
+    for _ in range(s["snapshot_rounds"]):
+        for every, (trainer, batch) in built.items():
+            jax.block_until_ready(trainer.states)
+            t = time.perf_counter()
+            trainer.train(lambda step, b=batch: b, steps=s["snapshot_steps"])
+            jax.block_until_ready(trainer.states)
+            times[every].append((time.perf_counter() - t) / s["snapshot_steps"])
+    out: dict[str, object] = {}
+    for every in (10, 100):
+        ratios = [t / t0 for t, t0 in zip(times[every], times[0], strict=True)]
+        taken, skipped = snapshot_events(built[every][0])
+        out[f"every_{every}"] = {"ratio": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
+                                 "step_ms": round(1e3 * statistics.median(times[every]), 3), "taken": taken, "skipped": skipped}  # fmt: skip
+    out["step_ms_no_snapshot"] = round(1e3 * statistics.median(times[0]), 3)
+    on_path, background = where_the_time_goes(built[0][0].hooks.states())
+    out.update(
+        snapshot_ms_on_the_steps_path=round(on_path, 2), snapshot_ms_in_the_background=round(background, 2)
+    )
+    for trainer, _ in built.values():  # the snapshots in host memory go with the part
+        shutil.rmtree(trainer.config.snapshot_dir, ignore_errors=True)
+    return out
 
 
 def _vit_init(config: str):
@@ -335,6 +450,10 @@ def run_part(part: str, s: dict, work: Path) -> dict:
         return part_create(s, work, part)
     if part == "save":
         return part_save(s, work)
+    if part == "saves":
+        return part_saves(s, work)
+    if part == "snapshots":
+        return part_snapshots(s, work)
     if part.startswith("vit_init"):
         return part_vit_init(s, work, part)
     if part == "init_bits":
@@ -371,9 +490,24 @@ def summarize(parts: dict) -> dict:
     if ok("restore_nnx_shard") and ok("restore_orbax"):
         a, b = parts["restore_nnx_shard"], parts["restore_orbax"]
         out["restore_over_orbax_s"] = round(a["seconds"] / b["seconds"], 3)
+        out["restore_over_orbax_warm_s"] = round(a["seconds_warm"] / b["seconds_warm"], 3)
         out["restore_same_values"] = (
             a["fingerprint"] == b["fingerprint"] == parts.get("save", {}).get("fingerprint")
         )
+        if ok("restore_nnx_shard_unverified"):
+            c = parts["restore_nnx_shard_unverified"]
+            out["unverified_restore_over_orbax_s"] = [
+                round(c["seconds"] / b["seconds"], 3),
+                round(c["seconds_warm"] / b["seconds_warm"], 3),
+            ]
+    if ok("saves"):
+        saves = parts["saves"]
+        out["save_over_orbax"] = {k: saves[f"ratio_{k}"] for k in ("sync", "async")}
+        out["step_ratio_during_async_save"] = saves["step_ratio_during_async_save"]
+    if ok("snapshots"):
+        snaps = parts["snapshots"]
+        out["snapshot_ratio"] = {k: snaps[f"every_{k}"]["ratio"] for k in (10, 100)}
+        out["snapshots_skipped_every_10"] = snaps["every_10"]["skipped"]
     return out
 
 
