@@ -79,7 +79,8 @@ def _state_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         nargs="?",
-        help="factory as package.module:function (takes rngs=... if it has that parameter); it may return "
+        help="factory as package.module:function, or an nnx.Module class as package.module:Class (either is "
+        "given rngs=... if it has that parameter); it may return "
         "the model, or the whole {'model', 'optimizer', 'ema'} state of your run",
     )
     parser.add_argument("--config", help="a .toml or .json file with model, mesh, strategy, ...")
@@ -314,7 +315,11 @@ def _builder(spec: str, kwargs: dict[str, Any], optimizer: str, ema: float) -> A
     from flax import nnx
 
     factory = _import_factory(spec)
-    parameters = inspect.signature(factory).parameters
+    # a Module class: its __init__'s parameters (nnx's metaclass shows only *args, **kwargs), self left out
+    signature = inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
+    parameters = {
+        k: p for k, p in signature.parameters.items() if not (isinstance(factory, type) and k == "self")
+    }
     takes_rngs = "rngs" in parameters
     open_kwargs = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
     unknown = [k for k in kwargs if k not in parameters and not open_kwargs]

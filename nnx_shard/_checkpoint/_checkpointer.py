@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from nnx_shard._base import as_state
 from nnx_shard._checkpoint._directory import (
+    checkpoint_directory,
     move_failed,
     move_steps,
     remove_leftovers,
@@ -115,7 +116,9 @@ class Checkpointer:
             raise CheckpointError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
         # Local paths become absolute; URIs (gs://...) go to Orbax as they are.
         self.directory = (
-            epath.Path(directory) if "://" in str(directory) else epath.Path(Path(directory).absolute())
+            epath.Path(directory)
+            if "://" in str(directory)
+            else checkpoint_directory(epath.Path(Path(directory).absolute()))  # a Trainer's workdir too
         )
         self.best_metric = best_metric
         self.best_mode = best_mode

@@ -24,6 +24,42 @@ TMP_MARK = (
 READ_AMPLIFICATION = 5
 
 
+WORKDIR_FOLDER = "checkpoints"  # where a Trainer keeps its checkpoints inside its workdir
+
+
+def _has_steps(path: Any) -> bool:
+    try:
+        return any(p.name.isdigit() and p.is_dir() for p in path.iterdir())
+    except OSError:
+        return False
+
+
+def checkpoint_directory(directory: Any) -> Any:
+    """``directory``, or its ``checkpoints/`` folder when ``directory`` is a Trainer's workdir (a
+    ``checkpoints/`` inside and no checkpoint step of its own)."""
+    inner = directory / WORKDIR_FOLDER
+    if directory.is_dir() and inner.is_dir() and not _has_steps(directory):
+        return inner
+    return directory
+
+
+def checkpoints_below(directory: Any, depth: int = 3) -> list[str]:
+    """Folders under ``directory`` (``depth`` levels at most) that hold checkpoint steps: for an error that
+    was given the wrong level."""
+    found, level = [], [directory]
+    for _ in range(depth):
+        level = [c for p in level if p.is_dir() for c in _children(p)]
+        found += [str(c) for c in level if _has_steps(c)]
+    return sorted(found)[:5]
+
+
+def _children(path: Any) -> list[Any]:
+    try:
+        return [c for c in path.iterdir() if c.is_dir() and not c.name.isdigit()]
+    except OSError:
+        return []
+
+
 def remove_leftovers(directory: Any) -> list[str]:
     """Removes the temporary folders interrupted saves left in ``directory`` (process 0), with a note."""
     if jax.process_index() != 0 or not directory.exists():

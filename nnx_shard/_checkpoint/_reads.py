@@ -12,7 +12,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from nnx_shard._checkpoint._directory import corrupted, read_limit, unreadable
+from nnx_shard._checkpoint._directory import checkpoints_below, corrupted, read_limit, unreadable
 from nnx_shard._checkpoint._faults import storage_faults
 from nnx_shard._checkpoint._format import (
     leaf_paths,
@@ -118,9 +118,17 @@ class CheckpointReader:
         steps = self.all_steps()
         if not steps:
             where = "" if self._exists() else " (the directory does not exist)"
-            raise NoCheckpointError(
-                f"no checkpoint in {self.directory}{where}; save one first, or check the path."
+            below = (
+                checkpoints_below(self.directory)
+                if self._exists() and "://" not in str(self.directory)
+                else []
             )
+            hint = (
+                f"; checkpoints are in {below}: pass one of those"
+                if below
+                else "; save one first, or check the path"
+            )
+            raise NoCheckpointError(f"no checkpoint in {self.directory}{where}{hint}.")
         if step is None:
             return max(steps)
         if step not in steps:

@@ -80,3 +80,18 @@ def test_a_structure_mismatch_names_paths_and_shapes(tmp_path):
     assert "model/kernel: saved (8, 16), expected (8, 32)" in text
     assert "Build the model, optimizer and EMA with the config they were saved with" in text
     assert jax.tree.leaves(hooks.states())[0].shape == (32,)  # untouched
+
+
+def test_a_trainers_workdir_restores_like_its_checkpoints_folder_and_a_parent_names_it(tmp_path):
+    from tests.apps.trainer_app import STRATEGY, RegressionTrainer, batch_for, config
+
+    work = tmp_path / "run"
+    trainer = RegressionTrainer(config(str(work), total_steps=3))
+    trainer.train(batch_for)
+    assert ns.Checkpointer(work).all_steps() == ns.Checkpointer(work / "checkpoints").all_steps() == [3]
+    objects = trainer.objects()
+    mesh = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    report = ns.restore_and_reshard(str(work), objects, STRATEGY, mesh)  # as the checkpoints guide shows
+    assert report.step == 3
+    with pytest.raises(ns.NoCheckpointError, match=r"checkpoints are in \[.*run/checkpoints'\]: pass one"):
+        ns.restore_and_reshard(str(tmp_path), objects, STRATEGY, mesh)

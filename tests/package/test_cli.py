@@ -139,3 +139,38 @@ def test_bad_model_kwargs_and_optimizers_are_clear_errors():
     assert r.returncode == 2 and "use adamw, adam, sgd, none, or package.module:factory" in r.stderr
     r = cli(*base, "--optimizer", "examples.toy_models:mlp")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_plan_builds_a_module_class_as_well_as_a_factory(tmp_path):
+    (tmp_path / "mlp.py").write_text(
+        "from flax import nnx\n\n"
+        "class MLP(nnx.Module):\n"
+        "    def __init__(self, width: int, *, rngs: nnx.Rngs):\n"
+        "        self.up = nnx.Linear(width, 4 * width, rngs=rngs)\n"
+        "        self.down = nnx.Linear(4 * width, width, rngs=rngs)\n"
+    )
+    env_path = f"{tmp_path}:{ROOT}"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nnx_shard",
+            "plan",
+            "mlp:MLP",
+            "--model-kwargs",
+            '{"width": 64}',
+            "--mesh",
+            "fsdp:2",
+            "--devices",
+            "2",
+            "--strategy",
+            STRATEGY,
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": env_path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "model/up/kernel" in r.stdout and "mesh (fsdp=2), 2 devices" in r.stdout
