@@ -287,8 +287,8 @@ def _explicit_note(placements: list[LeafPlacement], mesh: Mesh) -> list[Note]:
             f"Explicit mesh axes {axes} shard {len(hit)} leaves (first {hit[0].path!r} {hit[0].spec}): "
             f"a step of your own over them runs its model under nnx_shard.auto_axes (or "
             f"jax.sharding.auto_axes with these shardings as outputs), or JAX may refuse an op whose "
-            f"output sharding is ambiguous; the Trainer does this itself. See the README's "
-            f"'Explicit meshes'.",
+            f"output sharding is ambiguous; the Trainer does this itself. See 'Explicit meshes' on the "
+            f"placement page of the docs (docs/placement.md).",
         )
     ]
 
