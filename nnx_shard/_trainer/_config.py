@@ -31,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "total_steps": 100,
     "ema_decay": 0.999,  # None: no EMA is created, saved or restored
     "eval_every": 0,
+    "eval_weights": "ema",  # which weights train() evaluates: "ema" (the EMA's, when there is one) or "model"
     "on_nonfinite": "stop",  # a NaN/Inf loss or gradient norm: "stop" (not applied, run ends) or "skip" (not applied)
     "max_consecutive_nonfinite": 10,  # with "skip": stop after this many non-finite steps in a row
     # checkpoints
@@ -76,6 +77,7 @@ def _rules() -> dict[str, tuple[Callable[[Any], bool], str]]:
         ("best_mode", ("min", "max")),
         ("resume", ("off", "auto")),
         ("on_nonfinite", ("stop", "skip")),
+        ("eval_weights", ("ema", "model")),
     ):
         rules[key] = (lambda v, c=choices: v in c, f"one of {choices}")
     for key in (

@@ -264,9 +264,10 @@ class TrainingLoop:
         metrics = run.flush(current=True) if evaluate or save or callbacks else None
         if evaluate:
             started = time.perf_counter()
-            host.last_eval = host.evaluate(eval_data())
+            host.last_eval = host.evaluate(eval_data(), use_ema=cfg.eval_weights == "ema")
             host.observer.event("eval", time.perf_counter() - started, step)
-            host.observer.record({"step": step, **host.last_eval})
+            weights = "ema" if cfg.eval_weights == "ema" and cfg.ema_decay is not None else "model"
+            host.observer.record({"step": step, **host.last_eval, "eval_weights": weights})
             host.on_log(step, dict(host.last_eval))  # the eval metrics (eval_...) of this step, as logged
             metrics = {**(metrics or {}), **host.last_eval}
         if save:

@@ -50,7 +50,15 @@ def format_line(record: dict[str, float], end: int | None = None) -> str:
 
     >>> format_line({"step": 10, "loss": 0.5, "steps_per_s": 4.0, "examples_per_s": 512.0}, 100)
     'step 10/100 | loss 0.5000 | 4.0 steps/s | 512.0 examples/s'
+    >>> format_line({"step": 10, "eval_loss": 1.25, "eval_weights": "ema"})  # which weights were evaluated
+    'step 10 | eval_loss (ema) 1.2500'
     """
+    weights = record.get("eval_weights")
+    record = {
+        (f"{k} ({weights})" if weights and k.startswith("eval_") else k): v
+        for k, v in record.items()
+        if k != "eval_weights"
+    }
     parts = [f"step {int(record['step'])}" + (f"/{end}" if end else "")]
     shown = {"step", "steps_per_s", "examples_per_s", "tokens_per_s"}
     for key, name in _FIRST:
@@ -114,14 +122,15 @@ class Observer:
             return
         if self._bar is not None:
             self._bar.update(int(record["step"]) - self._bar.n)
-            self._bar.set_postfix({k: round(v, 4) for k, v in record.items() if k != "step"}, refresh=False)
+            shown = {k: round(v, 4) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            self._bar.set_postfix(shown, refresh=False)
         elif self.mode == "lines":
             print(format_line(record, self._end), flush=True)
         self._append({"time": time.time(), **record})
         writer = self._tensorboard()
         if writer is not None:
             for key, value in record.items():
-                if key != "step":
+                if key != "step" and isinstance(value, (int, float)):
                     writer.add_scalar(
                         key, value, int(record["step"])
                     )  # written out every 10 s and at the end

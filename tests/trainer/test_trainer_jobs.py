@@ -259,3 +259,30 @@ def test_the_logged_gradient_norm_is_the_global_norm():
         state
     )  # a replicated leaf, and one it does not know
     assert float(ours) == pytest.approx(float(optax.tree.norm(state)), rel=1e-6)
+
+
+def test_the_eval_line_says_which_weights_it_evaluated_and_a_config_key_chooses(tmp_path, capsys):
+    evals = [stack(records()[:8])]
+    for weights, ema_decay, shown in (
+        ("ema", 0.999, "ema"),
+        ("model", 0.999, "model"),
+        ("ema", None, "model"),
+    ):
+        trainer = LMTrainer(
+            config(
+                str(tmp_path / f"{weights}{ema_decay}"),
+                eval_every=2,
+                progress="lines",
+                ema_decay=ema_decay,
+                eval_weights=weights,
+            )
+        )
+        trainer.train(ResumableBatches(records()), steps=2, eval_data=lambda: evals)
+        lines = [line for line in capsys.readouterr().out.splitlines() if "eval_loss" in line]
+        assert lines and f"eval_loss ({shown}) " in lines[-1], lines
+        want = trainer.evaluate(evals, use_ema=shown == "ema")["eval_loss"]
+        assert trainer.last_eval["eval_loss"] == pytest.approx(want, rel=1e-6)
+        logged = [json.loads(x) for x in (Path(trainer.workdir) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["eval_weights"] for r in logged if "eval_loss" in r] == [shown]
+    with pytest.raises(ns.ConfigError, match=r"config\.eval_weights must be one of \('ema', 'model'\)"):
+        LMTrainer({**config(), "eval_weights": "best"})
