@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
 from nnx_shard._trainer._resize import Resizing
 from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
+from nnx_shard._trainer._views import LiveObject, RenamedMethod
 from nnx_shard._trainer._watchdog import Watchdog
 from nnx_shard.errors import ConfigError
 
@@ -196,10 +196,9 @@ class Trainer:
             raise ConfigError(f"add_callback(every=...) takes a whole number of steps >= 1; got {every!r}.")
         self.loop.add_callback(fn, every)
 
-    def add_hook(self, fn: Callback, *, every: int = 1) -> None:
-        """Deprecated: :meth:`add_callback` (``hooks`` names the state's owner, :attr:`hooks`)."""
-        warnings.warn("Trainer.add_hook is now Trainer.add_callback", DeprecationWarning, stacklevel=2)
-        self.add_callback(fn, every=every)
+    add_hook = RenamedMethod("add_callback")  # deprecated: ``hooks`` names the state's owner, :attr:`hooks`
+    model = LiveObject("model")  # the live model, read-only (``objects()["model"]``)
+    ema = LiveObject("ema")  # the live EMA (None with ``ema_decay=None``), read-only
 
     def request_stop(self, reason: str = "requested") -> None:
         """Ends ``train()`` after the current step, with a save; ``stop_reason`` says ``stopped: <reason>``."""

@@ -286,3 +286,14 @@ def test_the_eval_line_says_which_weights_it_evaluated_and_a_config_key_chooses(
         assert [r["eval_weights"] for r in logged if "eval_loss" in r] == [shown]
     with pytest.raises(ns.ConfigError, match=r"config\.eval_weights must be one of \('ema', 'model'\)"):
         LMTrainer({**config(), "eval_weights": "best"})
+
+
+def test_the_trained_model_and_ema_are_read_only_views_of_the_live_objects(tmp_path):
+    trainer = LMTrainer(config(str(tmp_path)))
+    trainer.train(ResumableBatches(records()), steps=2)
+    assert trainer.model is trainer.objects()["model"] and trainer.ema is trainer.objects()["ema"]
+    kernel = trainer.states["model"]["mix"]["kernel"].get_value()
+    np.testing.assert_array_equal(np.asarray(trainer.model.mix.kernel.get_value()), np.asarray(kernel))
+    with pytest.raises(AttributeError, match="read-only view of the live model"):
+        trainer.model = None
+    assert LMTrainer(config(str(tmp_path / "b"), ema_decay=None)).ema is None
