@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Protocol
+
+
+class Owner(Protocol):
+    """What a :class:`LiveObject` reads of the Trainer."""
+
+    def objects(self) -> dict[str, Any]: ...
 
 
 class LiveObject:
@@ -16,12 +22,12 @@ class LiveObject:
     def __init__(self, name: str):
         self.name = name
 
-    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+    def __get__(self, trainer: Owner | None, owner: type | None = None) -> Any:
         if trainer is None:
             return self
         return trainer.objects().get(self.name)
 
-    def __set__(self, trainer: Any, value: Any) -> None:
+    def __set__(self, trainer: Owner, value: Any) -> None:
         raise AttributeError(
             f"Trainer.{self.name} is a read-only view of the live {self.name}; change its values in place "
             f"(nnx.update(trainer.{self.name}, state)), or build another in create_model."
