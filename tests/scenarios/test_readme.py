@@ -128,3 +128,13 @@ def test_the_finetuning_page_tables_every_family_the_code_carries_and_refuses():
     text = page("finetuning.md")
     for family, (carried, refused) in TABLE.items():
         assert f"| {family} | {carried} | {refused} |" in text, family
+
+
+def test_elastic_page_runs_as_written():
+    pytest.importorskip("grain")
+    blocks = re.findall(r"```python\n(.*?)```", page("elastic.md"), flags=re.S)
+    assert len(blocks) == 2 and not any("..." in b for b in blocks)
+    namespace: dict = {}
+    for block in blocks:  # in order, as a reader runs them: the second uses the first's trainer
+        exec(compile(block, "elastic.md", "exec"), namespace)  # our own page, not user input
+    assert namespace["trainer"].step == 6 and namespace["trainer"].stop_reason is not None
