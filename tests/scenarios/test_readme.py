@@ -138,3 +138,14 @@ def test_elastic_page_runs_as_written():
     for block in blocks:  # in order, as a reader runs them: the second uses the first's trainer
         exec(compile(block, "elastic.md", "exec"), namespace)  # our own page, not user input
     assert namespace["trainer"].step == 6 and namespace["trainer"].stop_reason is not None
+
+
+def test_loading_with_orbax_yourself_runs_as_written(capsys):
+    blocks = section("I loaded it with Orbax myself", page("checkpoints.md"))
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "checkpoints.md", "exec"), namespace)  # our own page, not user input
+    assert capsys.readouterr().out.splitlines() == ["(None, 'fsdp')"] * 2
+    live, model = namespace["live"], namespace["model"]
+    assert len(live.kernel.get_value().sharding.device_set) == 4
+    assert (live.kernel.get_value() == model.kernel.get_value()).all()
