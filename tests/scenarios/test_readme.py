@@ -33,7 +33,9 @@ def test_quickstart_runs_as_written(where):
     for path in ("model/head/kernel", "optimizer/opt_state/0/mu/head/kernel", "ema/params/head/kernel"):
         assert plan.leaf(path).spec == p("fsdp", None), path
     assert plan.leaf("optimizer/opt_state/0/count").spec == p()
-    assert plan.leaf("model/body/kernel").spec == p(None, "fsdp") and not any(plan.leaf("model/body/bias").spec)
+    assert plan.leaf("model/body/kernel").spec == p(None, "fsdp") and not any(
+        plan.leaf("model/body/bias").spec
+    )
     ema = namespace["ema"]
     assert ema.params["head"]["kernel"].get_value().sharding.spec == p("fsdp", None)
 
@@ -149,3 +151,17 @@ def test_loading_with_orbax_yourself_runs_as_written(capsys):
     live, model = namespace["live"], namespace["model"]
     assert len(live.kernel.get_value().sharding.device_set) == 4
     assert (live.kernel.get_value() == model.kernel.get_value()).all()
+
+
+def test_sharding_hooks_by_example_runs_as_written(capsys):
+    blocks = section(
+        "Every config key",
+        page("trainer.md").replace("### ShardingHooks by example", "## Every config key", 1),
+    )
+    assert len(blocks) == 1 and "hooks.sync()" in blocks[0]
+    namespace: dict = {}
+    exec(compile(blocks[0], "trainer.md", "exec"), namespace)  # our own page, not user input
+    assert capsys.readouterr().out.strip() == "True"
+    hooks, objects = namespace["hooks"], namespace["objects"]
+    assert objects["model"] is hooks.objects["model"]
+    assert objects["model"].kernel.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
