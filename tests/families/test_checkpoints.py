@@ -4,6 +4,7 @@ into the model its config.json describes with torch's logits, or is refused by n
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,11 @@ from flax import nnx
 import nnx_shard as ns
 from examples.finetune_hf.finetune import forward
 
-pytest.importorskip("tunix")
+# skipped without google-tunix, which the tests import themselves: importing it turns Flax's eager sharding
+# off, and at collection it would do so for every test of the worker
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tunix") is None, reason="google-tunix is not installed"
+)
 
 DATA = Path(__file__).parents[1] / "data" / "hf"
 WRITERS = ["transformers-4.51.3", "transformers-5.24.0"]

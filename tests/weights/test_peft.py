@@ -3,6 +3,7 @@ fields named, and nothing written after a refusal (the round trip with peft itse
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from flax import nnx
 import nnx_shard as ns
 from nnx_shard._weights._peft import pattern_key, peft_scale
 
-pytest.importorskip("tunix")
+# tunix imported by the tests that need it, not at collection (importing it turns Flax's eager sharding off)
+needs_tunix = pytest.mark.skipif(
+    importlib.util.find_spec("tunix") is None, reason="google-tunix is not installed"
+)
 FOLDER = Path(__file__).parents[1] / "data" / "hf" / "llama"
 
 
@@ -49,6 +53,7 @@ def test_patterns_match_the_end_of_a_module_name_as_peft_does():
     assert peft_scale({**config, "use_rslora": True}, "model.layers.0.self_attn.v_proj") == (4, 16.0)
 
 
+@needs_tunix
 @pytest.mark.slow
 def test_alpha_pattern_and_rslora_scale_the_adapters_they_name(tmp_path):
     model = lora_model(FOLDER)
@@ -70,6 +75,7 @@ def test_alpha_pattern_and_rslora_scale_the_adapters_they_name(tmp_path):
         assert any("B scaled" in n for n in report.notes)
 
 
+@needs_tunix
 @pytest.mark.slow
 def test_a_refused_adapter_folder_changes_no_leaf(tmp_path):
     model = lora_model(FOLDER)
