@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from nnx_shard._families import ROPE_MODELS, decoder, rope_model
+from nnx_shard._families import ROPE_MODELS, decoder, head_dim, rope_model
 from nnx_shard._families import gemma as _gemma
 from nnx_shard._families import gemma3 as _gemma3
 from nnx_shard.errors import WeightsMismatchError
@@ -72,7 +72,7 @@ def _gemma_attention(hf: dict[str, Any]) -> list[Rule]:
     """q/k/v of ``(heads * head_dim, embed)`` into tunix's ``(heads, embed, head_dim)`` einsums: one fused
     ``qkv_einsum`` when there are as many kv heads as query heads, else ``q_einsum`` and a stacked ``kv_einsum``."""
     n, k = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    h, d = hf.get("head_dim") or hf["hidden_size"] // n, hf["hidden_size"]
+    h, d = head_dim(hf), hf["hidden_size"]
     heads = lambda count: f"reshape({count}, {h}, {d}) | transpose(0, 2, 1)"
     proj = lambda x: rf"model\.layers\.(\d+)\.self_attn\.{x}_proj\.weight"
     if n == k:
@@ -224,7 +224,11 @@ def hf_config(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def architecture_of(folder: str | os.PathLike[str]) -> str | None:
     """``config.json``'s first ``architectures`` entry in ``folder`` (None without one)."""
-    names = (hf_config(folder) or {}).get("architectures") or []
+    return _architecture(hf_config(folder))
+
+
+def _architecture(hf: dict[str, Any] | None) -> str | None:
+    names = (hf or {}).get("architectures") or []
     return names[0] if names else None
 
 
@@ -255,9 +259,10 @@ def resolve_key_map(
             f"{folder} does not exist: pass a Hugging Face folder, a safetensors file or a glob."
         )
     if folder is not None and not isinstance(folder, (list, tuple)):
-        arch = architecture_of(folder)
+        hf = hf_config(folder)
+        arch = _architecture(hf)
         if arch is not None:
-            return for_architecture(arch, hf_config(folder)), f"key map {arch} (from config.json)"
+            return for_architecture(arch, hf), f"key map {arch} (from config.json)"
     found = _for_model(model)
     if found is not None:
         return found[0], f"key map {found[1]}"
@@ -278,13 +283,13 @@ def _family_of(folder: str | os.PathLike[str]) -> tuple[str, Family, dict[str, A
     hf = hf_config(folder)
     if hf is None:
         raise WeightsMismatchError(f"{folder} has no config.json: pass a Hugging Face model folder.")
-    arch = architecture_of(folder)
+    arch = _architecture(hf)
     if arch not in ARCHITECTURES:
         raise WeightsMismatchError(f"{folder}/config.json: " + _unknown(str(arch)))
     return arch, ARCHITECTURES[arch], hf
 
 
-def _model_module(family: Family) -> Any:
+def _model_module(family: Family) -> tuple[Any, type, type]:
     """The module holding the family's ModelConfig and class: tunix's, or nnx_shard's RoPE variant of it."""
     import importlib
 
@@ -337,7 +342,8 @@ def check_model_config(model: Any, folder: str | os.PathLike[str]) -> None:
     always 1e6), would load without an error and give other logits; this names each field that differs.
     Models of other classes are left to their key map.
     """
-    hf, arch = hf_config(folder), architecture_of(folder)
+    hf = hf_config(folder)
+    arch = _architecture(hf)
     if hf is None or arch not in ARCHITECTURES or getattr(model, "config", None) is None:
         return
     family = ARCHITECTURES[arch]

@@ -118,6 +118,11 @@ def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
 IN_PLACE = True
 
 
+def _word_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
+    """The shape of :func:`_words` of an array: 8-byte values are two words, in a last dimension."""
+    return tuple(shape) + ((2,) if jnp.dtype(dtype).itemsize == 8 else ())
+
+
 def _word_strides(shape: Sequence[int]) -> list[int]:
     return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
@@ -260,8 +265,8 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
     round trip per block.
     """
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    words_shape = shape + ((2,) if jnp.dtype(dtype).itemsize == 8 else ())
-    strides = [int(np.prod(words_shape[d + 1 :], dtype=object)) % 2**32 for d in range(len(words_shape))]
+    words_shape = _word_shape(shape, dtype)
+    strides = [s % 2**32 for s in _word_strides(words_shape)]
     sharded = tuple(a for entry in spec for a in entry_axes(entry))
 
     def local(x: jax.Array) -> jax.Array:
@@ -304,9 +309,8 @@ def _block_program(shape: tuple[int, ...], dtype: Any, global_shape: tuple[int, 
     """``(block, base) -> share``: :func:`block_fingerprint` of a block of ``global_shape`` whose first word is
     at global index ``base``, on the block's own device, in one fused pass (``base`` is an argument: one
     program for every block of one shape)."""
-    extra = (2,) if jnp.dtype(dtype).itemsize == 8 else ()
-    words_shape, global_words = shape + extra, global_shape + extra
-    strides = [int(np.prod(global_words[d + 1 :], dtype=object)) % 2**32 for d in range(len(global_words))]
+    words_shape = _word_shape(shape, dtype)
+    strides = [s % 2**32 for s in _word_strides(_word_shape(global_shape, dtype))]
 
     def share(x: jax.Array, base: jax.Array) -> jax.Array:
         words = _words(x).reshape(words_shape) if words_shape else _words(x).reshape(1)
@@ -329,8 +333,7 @@ def device_shares(blocks: Sequence[tuple[jax.Array, Sequence[int], Sequence[int]
     """
     out = []
     for data, start, shape in blocks:
-        words = tuple(shape) + ((2,) if jnp.dtype(data.dtype).itemsize == 8 else ())
-        strides = [int(np.prod(words[d + 1 :], dtype=object)) for d in range(len(words))]
+        strides = _word_strides(_word_shape(shape, data.dtype))
         base = sum(int(f) * st for f, st in zip(start, strides, strict=False)) % 2**32
         program = _block_program(tuple(data.shape), data.dtype, tuple(shape))
         device = next(iter(data.devices()))
@@ -386,25 +389,18 @@ def _fingerprints(arrays: list[jax.Array]) -> list[str]:
             groups.setdefault(_signature(x), []).append(i)
     for members in groups.values():
         first = arrays[members[0]]
-        step = CHUNK if _batched(first, len(members)) else 1
+        how = route(first, len(members))
+        step = CHUNK if how == "batched" else 1
         for k in range(0, len(members), step):
             chunk = members[k : k + step]
-            if step == 1 and _by_shard(first):  # a large array: each device over its shard, one psum
-                program = _shard_program(first.shape, first.dtype, first.sharding, _platform(first) == "cpu")
+            if how in ("blocks", "fused"):  # a large array: each device over its shard, one psum
+                program = _shard_program(first.shape, first.dtype, first.sharding, how == "blocks")
                 sums = _host(program(arrays[chunk[0]]))
             else:
                 sums = _host(_program()([arrays[i] for i in chunk]))
             for i, value in zip(chunk, sums, strict=True):
                 out[i] = f"{int(value):08x}"
     return out
-
-
-def _platform(x: jax.Array) -> str:
-    return next(iter(x.sharding.device_set)).platform
-
-
-def _batched(x: jax.Array, count: int) -> bool:
-    return x.nbytes <= SMALL_BYTES and count > CHUNK
 
 
 def route(x: Any, count: int = 1) -> str:
@@ -421,6 +417,12 @@ def route(x: Any, count: int = 1) -> str:
         return "host"
     if _in_place(x):
         return "in_place"
-    if _batched(x, count) or not _by_shard(x):
-        return "batched" if _batched(x, count) else "whole"
+    if x.nbytes <= SMALL_BYTES and count > CHUNK:
+        return "batched"
+    if not _by_shard(x):
+        return "whole"
     return "blocks" if _platform(x) == "cpu" else "fused"
+
+
+def _platform(x: jax.Array) -> str:
+    return next(iter(x.sharding.device_set)).platform

@@ -49,7 +49,8 @@ def trainable_summary(model: Any, wrt: Any, chosen: bool, pretrained: bool) -> t
     """
     trained, rest = nnx.split_state(nnx.state(model, nnx.Param), wrt, ...)
     size = lambda state: sum(int(v.get_value().size) for _, v in flatten_with_paths(state)[0])
-    n, total = size(trained), size(trained) + size(rest)
+    n = size(trained)
+    total = n + size(rest)
     name = getattr(wrt, "__name__", repr(wrt))
     if chosen:
         why = f"{_count(n)}, Trainer.wrt={name}"

@@ -132,7 +132,8 @@ def plan_fills(
                     problems.append(f"{name} -> {target}{list(index)}: index outside {full}")
                     continue
                 fills.setdefault(target, []).append(_Fill(file, name, index, done, tuple(shape)))
-    unfilled = _unfilled(leaves, fills, skip, used)
+    unfilled, skipping = _unfilled(leaves, fills, skip)
+    used.update(dict.fromkeys(skipping, True))
     idle = [f"{'ignore' if p in ignore else 'skip'}={p!r}" for p, hit in used.items() if not hit]
     if strict and (unmapped or unfilled or problems):
         text = mismatches(
@@ -153,13 +154,13 @@ def plan_fills(
 
 
 def _unfilled(
-    leaves: dict[str, Any], fills: dict[str, list[_Fill]], skip: Sequence[str], used: dict
-) -> list[str]:
-    """The required leaves no fill covers whole (``used`` records which ``skip`` patterns matched)."""
-    out = []
+    leaves: dict[str, Any], fills: dict[str, list[_Fill]], skip: Sequence[str]
+) -> tuple[list[str], set[str]]:
+    """The required leaves no fill covers whole, and the ``skip`` patterns that matched a leaf."""
+    out, matched = [], set()
     for path, v in leaves.items():
-        hit = [p for p in skip if re.fullmatch(p, path)]
-        used.update(dict.fromkeys(hit, True))
+        hit = {p for p in skip if re.fullmatch(p, path)}
+        matched |= hit
         if not _required(v) or hit:
             continue
         got = fills.get(path, [])
@@ -169,7 +170,7 @@ def _unfilled(
             out.append(
                 f"{path} {tuple(v.get_value().shape)}" + (f" ({len(got)} of {need} filled)" if got else "")
             )
-    return out
+    return out, matched
 
 
 def _box(index: Any, shape: tuple[int, ...]) -> Box:
