@@ -28,6 +28,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.doctest",
+    "sphinx.ext.viewcode",  # a [source] link beside every API entry, to the highlighted module
     "sphinx_copybutton",
     "nnx_shard_docs",
 ]
@@ -36,6 +37,8 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "_inventories", "_generated/tactics.md", "_generated/config.md"]
 autosummary_generate = True
 autodoc_typehints = "description"  # type hints shown with each parameter
+# ...with the parameters the docstring documents only: a dataclass's fields are its Attributes, listed once.
+autodoc_typehints_description_target = "documented"
 autodoc_member_order = "bysource"
 napoleon_google_docstring = True
 html_theme = "sphinx_book_theme"

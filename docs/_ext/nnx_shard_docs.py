@@ -5,12 +5,11 @@ and the check that fails the build when a public name has no page."""
 from __future__ import annotations
 
 import inspect
-import io
-import tokenize
 import zlib
 from pathlib import Path
 from typing import Any
 
+import error_examples
 import jax
 
 import nnx_shard as ns
@@ -42,46 +41,133 @@ def tactic_pictures() -> str:
 
 
 def error_pages() -> None:
-    """One page per exception and warning class: its docstring (when it is raised, what to do)."""
+    """One page per exception and warning class: when it is raised, a sample message, and the fix.
+
+    The sample is what running the class's example in ``error_examples`` raised during this build (or, for
+    the few that need several processes or another jax, the message as the source writes it, said so).
+    """
     folder = GENERATED / "errors"
     folder.mkdir(parents=True, exist_ok=True)
     names = sorted(ns.errors.__all__)
+    missing = [n for n in names if n not in error_examples.EXAMPLES and n not in error_examples.BASES]
+    if missing:
+        raise RuntimeError(
+            f"error classes without an example and a fix in docs/_ext/error_examples.py: {missing}"
+        )
     for name in names:
         obj = getattr(ns.errors, name)
         kind = "autoexception" if isinstance(obj, type) and issubclass(obj, BaseException) else "autoclass"
-        bases = ", ".join(b.__name__ for b in obj.__mro__[1:-1]) if isinstance(obj, type) else ""
-        (folder / f"{name}.md").write_text(
-            f"# {name}\n\nDerives from: {bases or '-'}.\n\n```{{eval-rst}}\n.. {kind}:: nnx_shard.errors.{name}\n   :no-index:\n```\n"
-        )
+        bases = ", ".join(f"`{b.__name__}`" for b in obj.__mro__[1:-1]) if isinstance(obj, type) else ""
+        parts = [f"# {name}\n\nDerives from: {bases or '-'}.\n\n## When it is raised\n"]
+        parts.append(f"```{{eval-rst}}\n.. {kind}:: nnx_shard.errors.{name}\n   :no-index:\n```\n")
+        if name in error_examples.BASES:
+            subs = sorted(c.__name__ for c in obj.__subclasses__() if c.__name__ in names)
+            parts.append(f"## What to do\n\nA base class: {error_examples.BASES[name]}\n")
+            if subs:
+                parts.append("Raised as: " + ", ".join(f"[{c}]({c}.md)" for c in subs) + ".\n")
+        elif error_examples.EXAMPLES[name].fix:
+            text, ran = error_examples.sample(name)
+            if text:
+                how = "raised by its example while this site was built" if ran else "as the source writes it"
+                parts.append(f"## A sample message\n\n({how})\n\n```text\n{text}\n```\n")
+            parts.append(f"## The fix\n\n{error_examples.EXAMPLES[name].fix}\n")
+        (folder / f"{name}.md").write_text("\n".join(parts))
     toc = "\n".join(f"errors/{n}" for n in names)
     (GENERATED / "errors.md").write_text(
         "# Errors\n\nEvery exception derives from `NnxShardError` and from the builtin that fits its kind, so "
-        "`except ValueError` still catches a bad tactic. One page per class: when it is raised and what to do.\n\n"
+        "`except ValueError` still catches a bad tactic. One page per class: when it is raised, a sample "
+        "message and the fix.\n\n"
         f"```{{toctree}}\n:maxdepth: 1\n\n{toc}\n```\n"
     )
 
 
 def config_table() -> str:
-    """Every key of ``Trainer.default_config()``: its default, what it expects, and the comment beside it."""
+    """Every key of ``Trainer.default_config()`` from its one schema: default, what it expects, what it means."""
     from nnx_shard._trainer import _config
 
-    source = inspect.getsource(_config)
-    comments: dict[str, str] = {}
-    pending = None
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.STRING and tok.string.startswith('"') and tok.start[1] == 4:
-            pending = tok.string.strip('"')
-        elif tok.type == tokenize.COMMENT and pending is not None:
-            comments[pending] = tok.string.lstrip("# ")
-            pending = None
-        elif tok.type == tokenize.NL:
-            pending = None
-    rules = _config._rules()
     rows = ["| key | default | expects | meaning |", "|---|---|---|---|"]
-    for key, value in _config.DEFAULTS.items():
-        expects = rules[key][1] if key in rules else ("a mesh string or Mesh" if key == "mesh" else "rules")
-        rows.append(f"| `{key}` | `{value!r}` | {expects} | {comments.get(key, '')} |".replace("\n", " "))
-    return "\n".join(rows) + "\n"
+    for key, k in _config.SCHEMA.items():
+        rows.append(f"| `{key}` | `{k.default!r}` | {k.expects} | {k.meaning} |".replace("\n", " "))
+    renamed = ", ".join(f"`{old}` (now `{new}`)" for old, new in _config.RENAMED.items())
+    return "\n".join(rows) + f"\n\nOld names still read, with a `DeprecationWarning`: {renamed}.\n"
+
+
+TOPICS: dict[str, tuple[str, list[str]]] = {
+    "Sharding": (
+        "Rules to shardings: plans, tactics and the leaves they see.",
+        [
+            "plan_sharding",
+            "infer_sharding",
+            "ShardingPlan",
+            "LeafPlacement",
+            "Leaf",
+            "parse_tactic",
+            "Tactic",
+            "register_tactic",
+            "unregister_tactic",
+            "replicate",
+            "fsdp",
+            "shard_dim",
+            "spec",
+            "stacked",
+            "annotated",
+            "logical_to_mesh",
+            "auto_axes",
+            "flatten_state",
+        ],
+    ),
+    "Meshes": (
+        "Meshes from sizes or strings, described.",
+        ["create_mesh", "mesh_from_string", "parse_mesh_dims", "describe_mesh", "calculate_host_mesh_shape"],
+    ),
+    "Placement": (
+        "State onto its shardings without a whole array on one device.",
+        ["place_like_target", "abstract_target", "create_sharded", "sharded_init_fn", "clear_caches"],
+    ),
+    "Resharding": (
+        "From one sharding to another, each byte moved once.",
+        [
+            "reshard",
+            "plan_reshard",
+            "ReshardPlan",
+            "LeafReshard",
+            "Route",
+            "find_intermediate_sharding",
+            "reshard_with_intermediate_sharding",
+            "ResizeReport",
+        ],
+    ),
+    "Checkpoints": (
+        "Save, and restore onto any mesh.",
+        ["Checkpointer", "restore_and_reshard", "RestoreOptions", "RestoreReport"],
+    ),
+    "Trainer": (
+        "The training loop, and the hooks for your own.",
+        ["Trainer", "default_config", "ShardingHooks"],
+    ),
+    "Weights": (
+        "Hugging Face folders in and out.",
+        ["load_safetensors", "LoadReport", "save_safetensors", "save_peft_adapters"],
+    ),
+    "Cluster": (
+        "Several processes, TPU topologies, data per process.",
+        [
+            "initialize_distributed",
+            "barrier_sync",
+            "launch",
+            "launch_info",
+            "LaunchInfo",
+            "host_local_to_global",
+            "data_sharding",
+            "data_shard",
+            "DataShard",
+            "tpu_devices",
+            "CompileReport",
+        ],
+    ),
+    "Suggest": ("Rules for a memory budget, checked by the compiler.", ["suggest", "Suggestion"]),
+    "Utilities": ("", ["format_bytes"]),
+}
 
 
 def public_names() -> list[str]:
@@ -91,12 +177,26 @@ def public_names() -> list[str]:
 
 
 def api_page() -> None:
-    """The API page: every public name of ``nnx_shard``, an autosummary entry each."""
-    body = "\n".join(f"   {n}" for n in sorted(public_names(), key=str.lower))
+    """The API page: every public name of ``nnx_shard``, grouped by topic; a name in no topic fails the build."""
+    placed = [n for _, names in TOPICS.values() for n in names]
+    unplaced = sorted(set(public_names()) - set(placed))
+    unknown = sorted(set(placed) - set(public_names()))
+    if unplaced or unknown:
+        raise RuntimeError(
+            f"docs/_ext/nnx_shard_docs.py TOPICS: public names in no topic {unplaced}, "
+            f"names that are not public {unknown}"
+        )
+    sections = []
+    for topic, (blurb, names) in TOPICS.items():
+        body = "\n".join(f"   {n}" for n in names)
+        sections.append(
+            f"## {topic}\n\n{blurb}\n\n```{{eval-rst}}\n.. currentmodule:: nnx_shard\n\n"
+            f".. autosummary::\n   :toctree: api\n\n{body}\n```\n"
+        )
     (GENERATED / "api.md").write_text(
-        "# API\n\nEverything `import nnx_shard as ns` gives; the errors have [their own pages](errors.md), "
-        "the Hugging Face key maps are `ns.key_maps`, the seeds' API `ns.compat`.\n\n"
-        f"```{{eval-rst}}\n.. currentmodule:: nnx_shard\n\n.. autosummary::\n   :toctree: api\n\n{body}\n```\n"
+        "# API\n\nEverything `import nnx_shard as ns` gives, by topic; each entry links its source. The errors "
+        "have [their own pages](errors.md), the Hugging Face key maps are `ns.key_maps`, the seeds' API "
+        "`ns.compat`.\n\n" + "\n".join(sections)
     )
 
 
@@ -145,7 +245,9 @@ def check_every_public_name_has_a_page(app: Any, exception: Exception | None) ->
         return
     out = Path(app.outdir)
     missing = [n for n in ns.errors.__all__ if not (out / "_generated" / "errors" / f"{n}.html").exists()]
-    missing += [n for n in public_names() if not (out / "_generated" / "api" / f"nnx_shard.{n}.html").exists()]
+    missing += [
+        n for n in public_names() if not (out / "_generated" / "api" / f"nnx_shard.{n}.html").exists()
+    ]
     if missing:
         raise RuntimeError(f"public names without a page: {missing}")
 

@@ -64,7 +64,7 @@ def restore_options(
     """A Trainer's restore: the arguments given, else the config's; the frozen base kept when not saved."""
     return RestoreOptions(
         items=items,
-        free_live=config.free_live_on_restore if free_live is None else free_live,
+        free_live=config.free_live if free_live is None else free_live,
         max_host_bytes=config.max_host_bytes if max_host_bytes is None else max_host_bytes,
         frozen=frozen_for_restore(checkpointer, step, items, live_model, wrt),
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,50 +17,15 @@ from nnx_shard._checkpoint import Checkpointer
 from nnx_shard._sharding import parse_tactic
 from nnx_shard.errors import ConfigError, MeshError, TacticError, UnknownConfigKeyError
 
-DEFAULTS: dict[str, Any] = {
-    # where the state lives
-    "mesh": "fsdp:-1",  # a mesh string ("dp:2,fsdp:-1") or a jax.sharding.Mesh
-    "sharding_strategy": [(".*", "fsdp(axis='fsdp')")],
-    "barrier_timeout": 200.0,
-    # hangs become failures (seconds, 0 = off): the process ends, naming the section, so the job can restart
-    "step_timeout": 0.0,
-    "startup_timeout": 0.0,  # init, restore and the first step (its compile)
-    "save_timeout": 0.0,
-    "heartbeat_timeout": 10,  # under nnx-shard launch: seconds before jax.distributed declares a peer dead
-    "shutdown_timeout": 30,
-    # the run
-    "seed": 0,
-    "total_steps": 100,
-    "ema_decay": 0.999,  # None: no EMA is created, saved or restored
-    "eval_every": 0,
-    "eval_weights": "ema",  # which weights train() evaluates: "ema" (the EMA's, when there is one) or "model"
-    "on_nonfinite": "stop",  # a NaN/Inf loss or gradient norm: "stop" (not applied, run ends) or "skip" (not applied)
-    "max_consecutive_nonfinite": 10,  # with "skip": stop after this many non-finite steps in a row
-    # checkpoints
-    "workdir": "",
-    "save_every": 0,
-    "save_at_end": True,  # save when train() returns (finished, data exhausted, stopped); preemption always saves
-    "keep": 3,
-    "best_metric": "",  # keep the best `keep` steps by this eval metric (and the latest)
-    "best_mode": "min",
-    "async_checkpoint": True,
-    "verify_checkpoints": True,
-    "save_frozen": True,  # False: checkpoints leave out the parameters Trainer.wrt does not train
-    "resume": "off",  # "auto": restore the newest checkpoint that verifies before training
-    "overwrite": False,  # a run that does not resume may start in a workdir holding checkpoints (they are set aside)
-    "lock_stale_after": 300.0,  # seconds without a heartbeat after which another host's workdir lock is taken over
-    "max_host_bytes": 0,  # > 0: bound the host memory a restore reads with at once
-    "free_live_on_restore": False,
-    # in-memory snapshots: own shards and a peer's copy in host memory every N steps (0 = off)
-    "snapshot_every": 0,
-    "snapshot_dir": "",  # default: a per-job folder under /dev/shm (else the temp dir)
-    # what the user sees
-    "log_every": 10,
-    "progress": "auto",  # "auto" (a bar on a terminal, lines otherwise), "bar", "lines", "off"
-    "tensorboard": True,
-}
 
-PROGRESS = ("auto", "bar", "on", "lines", "off")
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One Trainer setting: its default, what it accepts (a check and its words) and what it means."""
+
+    default: Any
+    check: Callable[[Any], bool] | None  # None: checked elsewhere (the mesh when it is built, the strategy)
+    expects: str
+    meaning: str
 
 
 def _int(value: Any) -> bool:
@@ -69,72 +36,164 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _rules() -> dict[str, tuple[Callable[[Any], bool], str]]:
-    """Each built-in key's check and what it expects (the mesh and the strategy are checked on their own)."""
-    rules: dict[str, tuple[Callable[[Any], bool], str]] = {}
-    for key, choices in (
-        ("progress", PROGRESS),
-        ("best_mode", ("min", "max")),
-        ("resume", ("off", "auto")),
-        ("on_nonfinite", ("stop", "skip")),
-        ("eval_weights", ("ema", "model")),
-    ):
-        rules[key] = (lambda v, c=choices: v in c, f"one of {choices}")
-    for key in (
-        "seed",
-        "total_steps",
-        "eval_every",
-        "save_every",
-        "max_host_bytes",
-        "log_every",
-        "snapshot_every",
-    ):
-        rules[key] = (lambda v: _int(v) and v >= 0, "a whole number >= 0")
-    for key in (
-        "save_at_end",
-        "async_checkpoint",
-        "verify_checkpoints",
-        "save_frozen",
-        "free_live_on_restore",
-        "tensorboard",
-        "overwrite",
-    ):
-        rules[key] = (lambda v: isinstance(v, bool), "True or False")
-    for key in ("barrier_timeout", "lock_stale_after"):
-        rules[key] = (lambda v: _number(v) and v > 0, "a number of seconds > 0")
-    for key in ("step_timeout", "startup_timeout", "save_timeout"):
-        rules[key] = (lambda v: _number(v) and v >= 0, "a number of seconds >= 0 (0: no limit)")
-    for key in ("heartbeat_timeout", "shutdown_timeout"):
-        rules[key] = (lambda v: _int(v) and v > 0, "a whole number of seconds > 0")
-    for key in ("workdir", "best_metric", "snapshot_dir"):
-        rules[key] = (lambda v: isinstance(v, str), "a string ('' for none)")
-    rules["keep"] = (
-        lambda v: v is None or (_int(v) and v >= 1),
-        "a whole number >= 1, or None to keep every step",
-    )
-    rules["max_consecutive_nonfinite"] = (lambda v: _int(v) and v >= 1, "a whole number >= 1")
-    rules["ema_decay"] = (
+def _count(meaning: str, default: int) -> Key:
+    return Key(default, lambda v: _int(v) and v >= 0, "a whole number >= 0", meaning)
+
+
+def _flag(meaning: str, default: bool) -> Key:
+    return Key(default, lambda v: isinstance(v, bool), "True or False", meaning)
+
+
+def _one_of(meaning: str, choices: tuple[str, ...]) -> Key:
+    return Key(choices[0], lambda v: v in choices, f"one of {choices}", meaning)
+
+
+def _seconds(meaning: str, default: float, *, zero_is_off: bool = False) -> Key:
+    if zero_is_off:
+        return Key(
+            default, lambda v: _number(v) and v >= 0, "a number of seconds >= 0 (0: no limit)", meaning
+        )
+    return Key(default, lambda v: _number(v) and v > 0, "a number of seconds > 0", meaning)
+
+
+def _text(meaning: str) -> Key:
+    return Key("", lambda v: isinstance(v, str), "a string ('' for none)", meaning)
+
+
+PROGRESS = ("auto", "bar", "lines", "off", "on")  # "on": the same as "bar" (kept from 2026-11-23)
+
+# Every built-in key, in the order the generated table shows them: the one place a key is declared.
+SCHEMA: dict[str, Key] = {
+    # where the state lives
+    "mesh": Key(
+        "fsdp:-1",
+        None,
+        "a mesh string or a Mesh",
+        'the mesh: a string ("dp:2,fsdp:-1") or a jax.sharding.Mesh',
+    ),
+    "sharding_strategy": Key(
+        [(".*", "fsdp(axis='fsdp')")],
+        None,
+        "(regex, tactic) pairs",
+        "the ordered rules that place every leaf",
+    ),
+    "barrier_timeout": _seconds(
+        "how long a barrier between processes waits before naming who is missing", 200.0
+    ),
+    # hangs become failures: the process ends, naming the section, so the job can restart
+    "step_timeout": _seconds(
+        "a training step that takes longer ends the process (a hang made a failure)", 0.0, zero_is_off=True
+    ),
+    "startup_timeout": _seconds(
+        "the same for init, restore and the first step (its compile)", 0.0, zero_is_off=True
+    ),
+    "save_timeout": _seconds("the same for a checkpoint save", 0.0, zero_is_off=True),
+    "heartbeat_timeout": Key(
+        10,
+        lambda v: _int(v) and v > 0,
+        "a whole number of seconds > 0",
+        "under nnx-shard launch: seconds before jax.distributed declares a silent peer dead",
+    ),
+    "shutdown_timeout": Key(
+        30,
+        lambda v: _int(v) and v > 0,
+        "a whole number of seconds > 0",
+        "under nnx-shard launch: how long jax.distributed's shutdown waits for the other processes",
+    ),
+    # the run
+    "seed": _count("the seed of the model's, the optimizer's and the data's random numbers", 0),
+    "total_steps": _count("the step train() stops at", 100),
+    "ema_decay": Key(
+        0.999,
         lambda v: v is None or (_number(v) and 0 <= v <= 1),
         "a number in [0, 1], or None for no EMA",
-    )
-    return rules
+        "the EMA's decay; None: no EMA is created, saved or restored",
+    ),
+    "eval_every": _count("evaluate every this many steps (0: never during train())", 0),
+    "eval_weights": _one_of(
+        'which weights train() evaluates: "ema" (the EMA\'s, when there is one) or "model"', ("ema", "model")
+    ),
+    "on_nonfinite": _one_of(
+        'a NaN/Inf loss or gradient norm: "stop" (not applied, run ends) or "skip" (not applied)',
+        ("stop", "skip"),
+    ),
+    "max_consecutive_nonfinite": Key(
+        10,
+        lambda v: _int(v) and v >= 1,
+        "a whole number >= 1",
+        'with "skip": stop after this many non-finite steps in a row',
+    ),
+    # checkpoints
+    "workdir": _text("where checkpoints, the lock and TensorBoard's logs go ('' : nothing is saved)"),
+    "save_every": _count("save a checkpoint every this many steps (0: only at the end)", 0),
+    "save_at_end": _flag(
+        "save when train() returns (finished, data exhausted, stopped); preemption always saves", True
+    ),
+    "max_to_keep": Key(
+        3,
+        lambda v: v is None or (_int(v) and v >= 1),
+        "a whole number >= 1, or None to keep every step",
+        "how many steps to keep (the Checkpointer's max_to_keep)",
+    ),
+    "best_metric": _text("keep the best max_to_keep steps by this eval metric (and the latest)"),
+    "best_mode": _one_of('"min" or "max": which way best_metric is better', ("min", "max")),
+    "async_save": _flag(
+        "save in the background while training goes on (the Checkpointer's async_save)", True
+    ),
+    "verify": _flag(
+        "record each step's fingerprints and check them on restore (the Checkpointer's verify)", True
+    ),
+    "save_frozen": _flag("False: checkpoints leave out the parameters Trainer.wrt does not train", True),
+    "resume": _one_of('"auto": restore the newest checkpoint that verifies before training', ("off", "auto")),
+    "overwrite": _flag(
+        "a run that does not resume may start in a workdir holding checkpoints (set aside)", False
+    ),
+    "lock_stale_after": _seconds(
+        "seconds without a heartbeat after which another host's workdir lock is taken over", 300.0
+    ),
+    "max_host_bytes": _count(
+        "> 0: bound the host memory a restore reads with at once (the restore's max_host_bytes)", 0
+    ),
+    "free_live": _flag(
+        "free the live arrays before a restore reads, to keep the peak low (the restore's free_live)", False
+    ),
+    # in-memory snapshots: own shards and a peer's copy in host memory
+    "snapshot_every": _count("take an in-memory snapshot every this many steps (0: off)", 0),
+    "snapshot_dir": _text(
+        "where snapshots live (default: a per-job folder under /dev/shm, else the temp dir)"
+    ),
+    # what the user sees
+    "log_every": _count("log the loss every this many steps (0: never)", 10),
+    "progress": Key(
+        "auto",
+        lambda v: v in PROGRESS,
+        f"one of {PROGRESS}",
+        '"auto" (a bar on a terminal, lines otherwise), "bar", "lines", "off"; "on" is "bar"',
+    ),
+    "tensorboard": _flag("write the logged metrics for TensorBoard under workdir", True),
+}
 
+# Keys renamed to the Checkpointer's and the restore's names; the old ones are read with a DeprecationWarning.
+RENAMED = {
+    "keep": "max_to_keep",
+    "async_checkpoint": "async_save",
+    "verify_checkpoints": "verify",
+    "free_live_on_restore": "free_live",
+}
 
-RULES = _rules()
-
-
-def base_config() -> ml_collections.ConfigDict:
-    """The Trainer's defaults as a ConfigDict (the classmethod ``Trainer.default_config`` returns it)."""
-    return ml_collections.ConfigDict(DEFAULTS)
+DEFAULTS: dict[str, Any] = {key: k.default for key, k in SCHEMA.items()}
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    key: (k.check, k.expects) for key, k in SCHEMA.items() if k.check is not None
+}
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """The base Trainer's settings (``Trainer.default_config()``).
+    """The base Trainer's settings as a ConfigDict (the classmethod ``Trainer.default_config`` returns it).
 
     >>> default_config().mesh
     'fsdp:-1'
     """
-    return base_config()
+    return ml_collections.ConfigDict(DEFAULTS)
 
 
 def _check_keys(defaults: Mapping[str, Any], given: Mapping[str, Any], where: str) -> None:
@@ -151,6 +210,26 @@ def _check_keys(defaults: Mapping[str, Any], given: Mapping[str, Any], where: st
             _check_keys(defaults[key], value, f"{where}{key}.")
 
 
+def _renamed(values: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with the keys renamed on 2026-11-27 under their new names, each with a DeprecationWarning."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out and old not in base:
+            if new in out:
+                raise ConfigError(
+                    f"config keys {old!r} and {new!r} both given; {old!r} is the old name of {new!r}: "
+                    f"give {new!r} only."
+                )
+            warnings.warn(
+                f"config key {old!r} is now {new!r} (the Checkpointer's and the restore's name); {old!r} is read "
+                f"as {new!r} and will be refused in a later release.",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            out[new] = out.pop(old)
+    return out
+
+
 def _plain(x: Any) -> Any:
     return x.to_dict() if isinstance(x, ml_collections.ConfigDict) else x
 
@@ -158,9 +237,9 @@ def _plain(x: Any) -> Any:
 def merge_config(defaults: ml_collections.ConfigDict, given: Any) -> ml_collections.ConfigDict:
     """``defaults`` overridden by ``given`` (a dict or ConfigDict); unknown keys raise.
 
-    >>> merge_config(base_config(), {"log_every": 1}).log_every
+    >>> merge_config(default_config(), {"log_every": 1}).log_every
     1
-    >>> merge_config(base_config(), {"save_evry": 10})
+    >>> merge_config(default_config(), {"save_evry": 10})
     Traceback (most recent call last):
     ...
     nnx_shard.errors.UnknownConfigKeyError: unknown config key 'save_evry'; did you mean 'save_every' ...? ...
@@ -169,6 +248,7 @@ def merge_config(defaults: ml_collections.ConfigDict, given: Any) -> ml_collecti
     if not isinstance(values, Mapping):
         raise ConfigError(f"a Trainer config is a dict or ConfigDict; got {type(given).__name__}.")
     base = defaults.to_dict()
+    values = _renamed(values, base)
     _check_keys(base, values, "")
 
     def merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -271,9 +351,9 @@ def config_checkpointer(cfg: ml_collections.ConfigDict) -> Checkpointer | None:
         return None
     return Checkpointer(
         str(cfg.workdir).rstrip("/") + "/checkpoints",
-        max_to_keep=cfg.keep,
+        max_to_keep=cfg.max_to_keep,
         best_metric=cfg.best_metric or None,
         best_mode=cfg.best_mode,
-        async_save=cfg.async_checkpoint,
-        verify=cfg.verify_checkpoints,
+        async_save=cfg.async_save,
+        verify=cfg.verify,
     )

@@ -21,7 +21,7 @@ from nnx_shard._suggest import Suggestion
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._aot import compile_step, suggest_layout
 from nnx_shard._trainer._checkpoints import restore_options, save_step
-from nnx_shard._trainer._config import base_config, config_checkpointer, config_mesh, merge_config
+from nnx_shard._trainer._config import config_checkpointer, config_mesh, default_config, merge_config
 from nnx_shard._trainer._finetune import labels, load_weights, resolve_wrt
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._loop import Callback, TrainingLoop
@@ -82,7 +82,7 @@ class Trainer:
         >>> Mine.default_config().hidden, Mine.default_config().save_every
         (32, 0)
         """
-        return base_config()
+        return default_config()
 
     def __init__(self, config: ml_collections.ConfigDict | dict[str, Any] | None = None):
         self.config = merge_config(type(self).default_config(), config)
@@ -431,7 +431,7 @@ class Trainer:
         fine-tune from a checkpoint with a new optimizer. A checkpoint saved without the frozen base
         (``save_frozen=False``) goes on top of the live base, which must be the same weights. The data
         iterator's saved position is set on the next ``train(iterable)``. ``free_live`` and ``max_host_bytes``
-        default to ``config.free_live_on_restore`` and ``config.max_host_bytes``.
+        default to ``config.free_live`` and ``config.max_host_bytes``.
         """
         if self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")

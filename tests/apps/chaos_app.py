@@ -142,7 +142,7 @@ def run(workdir: str, kill: str = "none", seed: int = 0) -> dict:
     from tests.apps.trainer_app import RegressionTrainer, batch_for, config
 
     trainer = RegressionTrainer(
-        {**config(workdir, total_steps=TOTAL), "save_every": EVERY, "resume": "auto", "keep": 2}
+        {**config(workdir, total_steps=TOTAL), "save_every": EVERY, "resume": "auto", "max_to_keep": 2}
     )
     _arm(trainer, kill, seed)
     start = time.perf_counter()

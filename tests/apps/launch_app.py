@@ -191,7 +191,7 @@ def main() -> None:
             "width": args.width,
             "snapshot_every": args.snapshot_every,
             "snapshot_dir": str(Path(args.workdir) / "snapshots"),
-            "async_checkpoint": False,
+            "async_save": False,
             "resume": "auto",
             "step_timeout": args.step_timeout,
             "heartbeat_timeout": 5,

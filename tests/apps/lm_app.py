@@ -88,7 +88,7 @@ def config(workdir: str = "", **extra) -> dict:
         "log_every": 1,
         "progress": "off",
         "total_steps": 8,
-        "async_checkpoint": False,
+        "async_save": False,
         **extra,
     }
 

@@ -67,7 +67,7 @@ def uninterrupted():
 
 def test_trainer_resized_8_to_4_to_8_keeps_the_loss_curve(uninterrupted, tmp_path):
     expected = uninterrupted
-    trainer = RegressionTrainer(config(str(tmp_path), total_steps=9, async_checkpoint=False))
+    trainer = RegressionTrainer(config(str(tmp_path), total_steps=9, async_save=False))
     losses = [h["loss"] for h in trainer.train(batch_for, steps=3)]
     shrink = trainer.resize("fsdp:-1", devices=jax.devices()[4:])
     assert str(shrink).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")

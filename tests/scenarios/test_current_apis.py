@@ -48,7 +48,7 @@ def test_no_deprecation_warnings_from_the_package(tmp_path):
             fresh = create()
             report = ns.restore_and_reshard(ckpt, fresh, STRATEGY, mesh4)
         moved = ns.reshard(hooks.states(), ns.infer_sharding(hooks.states(), STRATEGY, mesh4), donate=True)
-        trainer = RegressionTrainer({**config(str(tmp_path / "run")), "async_checkpoint": False})
+        trainer = RegressionTrainer({**config(str(tmp_path / "run")), "async_save": False})
         trainer.train(batch_for, steps=2)
     assert str(report).startswith("restored step 1, saved on 8 devices")
     assert jax.tree.leaves(moved)[0].sharding.mesh.devices.size == 4

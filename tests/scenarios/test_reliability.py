@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def sync(workdir, **extra):
-    return {**config(str(workdir)), "async_checkpoint": False, **extra}
+    return {**config(str(workdir)), "async_save": False, **extra}
 
 
 def other_data(step):
@@ -107,7 +107,7 @@ def test_a_save_that_does_not_write_returns_false_and_says_why(tmp_path):
 def finished(tmp_path_factory):
     """A run of 9 steps with synchronous saves at 3, 6 and 9 (all kept), and its final digest."""
     workdir = tmp_path_factory.mktemp("finished")
-    trainer = RegressionTrainer(sync(workdir, total_steps=9, save_every=3, keep=None))
+    trainer = RegressionTrainer(sync(workdir, total_steps=9, save_every=3, max_to_keep=None))
     trainer.train(batch_for)
     return workdir, digest(trainer)
 
@@ -121,12 +121,12 @@ def copy_of(finished, tmp_path):
 def test_resume_auto_goes_back_to_the_newest_step_that_verifies(finished, tmp_path):
     workdir = copy_of(finished, tmp_path)
     damage(workdir / "checkpoints" / "9", "flip_data")
-    trainer = RegressionTrainer(sync(workdir, total_steps=9, resume="auto", keep=None))
+    trainer = RegressionTrainer(sync(workdir, total_steps=9, resume="auto", max_to_keep=None))
     with pytest.warns(ns.CheckpointWarning, match=r"set aside steps \[9\] .*rejected.*step 6 was restored"):
         trainer.train(batch_for)
     assert trainer.restored_step == 6 and digest(trainer) == finished[1]  # the same run, bitwise
     assert list((workdir / "checkpoints.set_aside").glob("rejected-*/9"))  # kept for a post-mortem
-    again = RegressionTrainer(sync(workdir, total_steps=9, resume="auto", keep=None))
+    again = RegressionTrainer(sync(workdir, total_steps=9, resume="auto", max_to_keep=None))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ns.CheckpointWarning)  # the bad step is not tried again
         again.train(batch_for)
@@ -168,7 +168,7 @@ def restore_in_subprocess(workdir, step, verify=True):
         "import jax; jax.config.update('jax_num_cpu_devices', 8)\n"
         "import nnx_shard as ns\n"
         "from tests.apps.trainer_app import RegressionTrainer, config, digest\n"
-        f"trainer = RegressionTrainer({{**config({str(workdir)!r}), 'verify_checkpoints': {verify}}})\n"
+        f"trainer = RegressionTrainer({{**config({str(workdir)!r}), 'verify': {verify}}})\n"
         "trainer.init(); before = digest(trainer)\n"
         "try:\n"
         f"    trainer.restore_and_reshard({step})\n"
@@ -320,14 +320,14 @@ def test_leftovers_of_an_interrupted_save_are_removed_with_a_note(tmp_path, capl
 
 
 def test_retention_never_deletes_the_newest_step_that_verified(tmp_path):
-    trainer = RegressionTrainer(sync(tmp_path, total_steps=6, save_every=2, keep=1))
+    trainer = RegressionTrainer(sync(tmp_path, total_steps=6, save_every=2, max_to_keep=1))
     trainer.train(batch_for)
     assert trainer.checkpointer.all_steps() == [6]
     damage(
         tmp_path / "checkpoints" / "6", "flip_data"
     )  # the only step left is bad: a named error, not a loss
     with pytest.raises(ns.CheckpointCorruptError, match="step 6"):
-        RegressionTrainer(sync(tmp_path, total_steps=8, resume="auto", keep=1)).train(batch_for)
+        RegressionTrainer(sync(tmp_path, total_steps=8, resume="auto", max_to_keep=1)).train(batch_for)
     assert (tmp_path / "checkpoints" / "6").exists()
 
 
@@ -447,12 +447,12 @@ def test_skip_stops_after_too_many_in_a_row(tmp_path):
     [
         ("total_steps", "20", "a whole number >= 0"),
         ("save_every", -1, "a whole number >= 0"),
-        ("keep", 0, "a whole number >= 1, or None to keep every step"),
+        ("max_to_keep", 0, "a whole number >= 1, or None to keep every step"),
         ("log_every", True, "a whole number >= 0"),
         ("on_nonfinite", "ignore", "one of ('stop', 'skip')"),
         ("max_consecutive_nonfinite", 0, "a whole number >= 1"),
         ("resume", "yes", "one of ('off', 'auto')"),
-        ("async_checkpoint", "no", "True or False"),
+        ("async_save", "no", "True or False"),
         ("barrier_timeout", 0, "a number of seconds > 0"),
         ("ema_decay", 2.0, "a number in [0, 1], or None for no EMA"),
         ("workdir", 3, "a string ('' for none)"),

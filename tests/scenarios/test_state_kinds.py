@@ -30,7 +30,7 @@ from tests.trainer.test_trainer import resume_in_subprocess
 def dropout_run(tmp_path_factory):
     """A dropout + batch-norm model trained on 8 devices: 12 steps, a checkpoint at 6."""
     workdir = tmp_path_factory.mktemp("dropout")
-    trainer = DropoutTrainer({**config(str(workdir)), "async_checkpoint": False})
+    trainer = DropoutTrainer({**config(str(workdir)), "async_save": False})
     return run_with_checkpoint_at_6(trainer, str(workdir))
 
 

@@ -130,7 +130,7 @@ def test_restored_state_is_donatable_and_trains(reference, tmp_path):
 
 def test_keep_last_n(tmp_path):
     trainer = RegressionTrainer(
-        {**config(str(tmp_path / "last")), "keep": 2, "save_every": 2, "async_checkpoint": False}
+        {**config(str(tmp_path / "last")), "max_to_keep": 2, "save_every": 2, "async_save": False}
     )
     trainer.train(batch_for, steps=8)
     assert trainer.checkpointer.all_steps() == [6, 8]
@@ -227,7 +227,7 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboardX", reason="install the test extras: pip install -e '.[test]'")
     from tensorboardX.proto.event_pb2 import Event
 
-    trainer = RegressionTrainer({**config(str(tmp_path)), "async_checkpoint": False})
+    trainer = RegressionTrainer({**config(str(tmp_path)), "async_save": False})
     trainer.train(batch_for, steps=3)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lines = [r for r in records if "event" not in r]  # steps; events (compile, save, ...) are interleaved

@@ -24,10 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_default_config_is_a_classmethod_that_subclasses_extend():
     base = ns.Trainer.default_config()
-    assert isinstance(base, ml_collections.ConfigDict) and base.save_every == 0 and base.keep == 3
+    assert isinstance(base, ml_collections.ConfigDict) and base.save_every == 0 and base.max_to_keep == 3
     assert LMTrainer.default_config().width == 32 and "width" not in base
-    trainer = LMTrainer({**config(), "width": 16, "keep": 1, "async_checkpoint": False, "save_every": 5})
-    assert trainer.config.width == 16 and trainer.config.keep == 1  # the old names keep working
+    trainer = LMTrainer({**config(), "width": 16, "max_to_keep": 1, "async_save": False, "save_every": 5})
+    assert trainer.config.width == 16 and trainer.config.max_to_keep == 1
+
+
+def test_the_config_keys_renamed_to_the_checkpointers_names_still_work_with_a_deprecation_warning():
+    old = {"keep": 1, "async_checkpoint": False, "verify_checkpoints": False, "free_live_on_restore": True}
+    with pytest.warns(DeprecationWarning, match="config key 'keep' is now 'max_to_keep'"):
+        trainer = LMTrainer({**{k: v for k, v in config().items() if k != "async_save"}, **old})
+    cfg = trainer.config
+    assert (cfg.max_to_keep, cfg.async_save, cfg.verify, cfg.free_live) == (1, False, False, True)
+    assert "keep" not in cfg
+    with pytest.raises(ns.ConfigError, match="'keep' and 'max_to_keep' both given"):
+        LMTrainer({**config(), "keep": 1, "max_to_keep": 2})
 
 
 def test_a_typo_in_the_config_is_refused_with_the_closest_keys():
@@ -127,7 +138,7 @@ class ScriptedEval(LMTrainer):
 
 
 def test_best_metric_keeps_the_best_steps_and_names_the_best(tmp_path):
-    trainer = ScriptedEval(config(str(tmp_path), keep=2, best_metric="eval_loss", save_every=2, eval_every=2))
+    trainer = ScriptedEval(config(str(tmp_path), max_to_keep=2, best_metric="eval_loss", save_every=2, eval_every=2))
     trainer.train(ResumableBatches(records()), eval_data=lambda: [], steps=8)
     assert trainer.checkpointer.all_steps() == [4, 6, 8]  # the 2 best by eval_loss, and the latest to resume
     assert trainer.best_step() == 4
