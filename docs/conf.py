@@ -34,7 +34,7 @@ extensions = [
 ]
 myst_enable_extensions = ["colon_fence"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "_inventories", "_generated/tactics.md", "_generated/config.md"]
+exclude_patterns = ["_build", "_inventories", "_generated/tactics.md", "_generated/config.md", "_generated/figures_*.md"]
 autosummary_generate = True
 autodoc_typehints = "description"  # type hints shown with each parameter
 # ...with the parameters the docstring documents only: a dataclass's fields are its Attributes, listed once.

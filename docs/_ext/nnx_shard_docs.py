@@ -4,6 +4,7 @@ and the check that fails the build when a public name has no page."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import zlib
 from pathlib import Path
@@ -230,8 +231,19 @@ def inventories() -> None:
         (folder / f"{lib}.inv").write_bytes(head.encode() + zlib.compress("\n".join(lines).encode() + b"\n"))
 
 
+def figures() -> None:
+    """The performance page's tables, from ``benchmarks/figures.toml`` (the README shows the same CPU table)."""
+    spec = importlib.util.spec_from_file_location("figures", HERE.parent / "benchmarks" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = module.load()
+    for machine in record["machines"]:
+        (GENERATED / f"figures_{machine}.md").write_text(module.table(machine, record))
+
+
 def generate(app: Any, config: Any) -> None:
     GENERATED.mkdir(exist_ok=True)
+    figures()
     inventories()
     (GENERATED / "tactics.md").write_text(tactic_pictures())
     (GENERATED / "config.md").write_text(config_table())
