@@ -22,7 +22,7 @@ copyright = "2026, the nnx_shard authors"
 release = nnx_shard.__version__
 
 extensions = [
-    "myst_parser",
+    "myst_nb",  # MyST Markdown (myst_parser) and pages that are notebooks, executed at build time
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
@@ -33,7 +33,15 @@ extensions = [
     "nnx_shard_docs",
 ]
 myst_enable_extensions = ["colon_fence"]
-source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb"}  # .rst first: autosummary writes .rst
+# The guides that are notebooks (front matter `file_format: mystnb`) run on every build, on the CPU with 8
+# simulated devices; a cell that raises fails the build. The doctest builder reuses the html build's run.
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(Path(__file__).parent / "_build" / "jupyter_cache")
+nb_execution_raise_on_error = True
+nb_execution_timeout = 600
+nb_execution_in_temp = True  # files a cell writes (plan.png) land in a temporary folder, not in docs/
+nb_merge_streams = True
 exclude_patterns = ["_build", "_inventories", "_generated/tactics.md", "_generated/config.md", "_generated/figures_*.md"]
 autosummary_generate = True
 autodoc_typehints = "description"  # type hints shown with each parameter

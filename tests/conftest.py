@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -56,6 +57,8 @@ def pytest_collection_modifyitems(config, items):
         for line in SLOW_TESTS_FILE.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
+    if os.environ.get("NNX_SHARD_RETIME"):  # make slow-list: time every test the modules leave fast
+        timed = set()
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
         uses_processes = "multiprocess" in getattr(item, "fixturenames", ()) or item.get_closest_marker(

@@ -12,9 +12,12 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 
+CODE = r"```(?:python|\{code-cell\} ipython3)\n(.*?)```"  # a page's blocks, or a notebook page's cells
+
+
 def section(title: str, text: str = README) -> list[str]:
     text = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return re.findall(CODE, text, flags=re.S)
 
 
 def page(name: str) -> str:
@@ -22,12 +25,17 @@ def page(name: str) -> str:
 
 
 @pytest.mark.parametrize("where", ["README.md", "getting_started.md"])
-def test_quickstart_runs_as_written(where):
+def test_quickstart_runs_as_written(where, tmp_path):
     blocks = section("Quickstart", README if where == "README.md" else page(where))
-    assert len(blocks) == 3
+    assert len(blocks) == (3 if where == "README.md" else 5)  # the notebook: devices first, the picture last
     namespace: dict = {}  # nothing given: the blocks define what they use
+    picture = blocks.pop() if where != "README.md" else None  # IPython's display: only in a notebook
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)  # our own README, not user input
+    if picture is not None:
+        assert 'plan.plot("plan.png", top=4)' in picture
+        png = namespace["plan"].plot(str(tmp_path / "plan.png"), top=4)
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     # What the README says: ^head/kernel$ also places the optimizer's and the EMA's copies.
     plan, p = namespace["plan"], jax.sharding.PartitionSpec
     for path in ("model/head/kernel", "optimizer/opt_state/0/mu/head/kernel", "ema/params/head/kernel"):
@@ -151,6 +159,32 @@ def test_loading_with_orbax_yourself_runs_as_written(capsys):
     live, model = namespace["live"], namespace["model"]
     assert len(live.kernel.get_value().sharding.device_set) == 4
     assert (live.kernel.get_value() == model.kernel.get_value()).all()
+
+
+def test_the_trainer_notebook_trains_evaluates_plots_and_restores_as_it_shows(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    cells = re.findall(CODE.replace("python|", ""), page("trainer.md"), flags=re.S)
+    assert len(cells) == 3
+    namespace: dict = {}
+    for cell in cells:
+        exec(compile(cell, "trainer.md", "exec"), namespace)  # our own page, not user input
+    trainer, history = namespace["trainer"], namespace["history"]
+    assert (trainer.stop_reason, namespace["seen"], trainer.checkpointer.all_steps()) == (
+        "finished",
+        [20, 40, 60],
+        [40, 60],
+    )
+    assert [h["step"] for h in history] == [10, 20, 30, 40, 50, 60] and history[-1]["loss"] < history[0][
+        "loss"
+    ]
+    assert [r["step"] for r in namespace["evals"]] == [20, 40, 60]
+    assert namespace["model_loss"] < namespace["evals"][-1]["eval_loss"]  # the EMA trails, as the page says
+    out = capsys.readouterr().out
+    assert "restored step 60, saved on 8 devices (fsdp=8), onto 8 devices (fsdp=8)" in out
+    assert "restored step 60 (model only)" in out
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
 
 
 def test_sharding_hooks_by_example_runs_as_written(capsys):
