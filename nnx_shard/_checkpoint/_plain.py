@@ -4,7 +4,7 @@ Orbax lays out what its users write in three ways, all read here:
 
 - ``CheckpointManager``: ``<dir>/<step>/<item>/`` (``default`` for one
   ``StandardSave`` or ``PyTreeSave``; the names of a ``Composite``);
-- ``ocp.v1.save_pytree``: ``<dir>/<item>/`` (its ``state`` item), no steps;
+- ``ocp.v1.save``: ``<dir>/<item>/`` (its ``state`` item), no steps;
 - ``StandardCheckpointer``/``PyTreeCheckpointer``: ``<dir>/`` is the item.
 
 An item is a folder with Orbax's tree metadata (``_METADATA``). nnx_shard's
@@ -114,7 +114,7 @@ def locate(directory: Any, step: int | None) -> tuple[int | None, list[epath.Pat
     else:
         if step is not None:
             raise NoCheckpointError(
-                f"{directory} holds one checkpoint without steps (as ocp.v1.save_pytree or a "
+                f"{directory} holds one checkpoint without steps (as ocp.v1.save or a "
                 f"StandardCheckpointer writes); restore it with step=None."
             )
         folders = [directory] if (directory / METADATA).exists() else _item_dirs(directory)
@@ -124,7 +124,7 @@ def locate(directory: Any, step: int | None) -> tuple[int | None, list[epath.Pat
         raise CheckpointFormatError(
             f"{where} holds no checkpoint nnx_shard can read: found {found}, expected an Orbax PyTree "
             f"item (a folder with {METADATA}) or nnx_shard's own steps. Point to the folder Orbax's "
-            f"CheckpointManager, StandardCheckpointer or ocp.v1.save_pytree wrote."
+            f"CheckpointManager, StandardCheckpointer or ocp.v1.save wrote."
         )
     return step, folders
 

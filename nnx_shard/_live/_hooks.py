@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from flax import nnx
@@ -21,6 +21,27 @@ from nnx_shard._sharding import ShardingPlan, plan_sharding
 from nnx_shard.errors import CheckpointError, LifecycleError
 
 logger = logging.getLogger("nnx_shard")
+
+
+class LiveObjects(Mapping[str, Any]):
+    """The live objects that :meth:`ShardingHooks.on_init` returns: every read syncs them with the last
+    :meth:`ShardingHooks.update` first, so the mapping is never stale (an object taken out of it earlier is
+    brought up to date by the next read, or by ``hooks.sync()``)."""
+
+    def __init__(self, hooks: ShardingHooks):
+        self._hooks = hooks
+
+    def __getitem__(self, key: str) -> Any:
+        return self._hooks.objects[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._hooks.objects)
+
+    def __len__(self) -> int:
+        return len(self._hooks.objects)
+
+    def __repr__(self) -> str:
+        return f"LiveObjects({sorted(self._hooks.objects)})"
 
 
 class ShardingHooks:
@@ -153,7 +174,7 @@ class ShardingHooks:
         create: Callable[[], Mapping[str, Any]] | None = None,
         *,
         objects: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Mapping[str, Any]:
         """Creates the objects sharded from ``create()``, or moves existing ``objects`` into place.
 
         Args:
@@ -162,7 +183,8 @@ class ShardingHooks:
           objects: existing objects to move onto the inferred shardings instead.
 
         Returns:
-          The live objects.
+          The live objects, as a mapping that stays current: each read brings the
+          objects up to date with the last :meth:`update` first (as :attr:`objects` does).
         """
         if (create is None) == (objects is None):
             raise LifecycleError(
@@ -175,9 +197,9 @@ class ShardingHooks:
             self.adopt(objects)
             self._write(reshard(self.states(), self._plan.shardings, donate=True))
         barrier_sync("nnx_shard/on_init", timeout=self.barrier_timeout)
-        return self.objects
+        return LiveObjects(self)
 
-    def adopt(self, objects: Mapping[str, Any]) -> dict[str, Any]:
+    def adopt(self, objects: Mapping[str, Any]) -> Mapping[str, Any]:
         """Takes ``objects`` (live or abstract) as they are and plans their shardings; moves nothing.
 
         Use it to restore into objects built elsewhere (the restore then puts
@@ -185,7 +207,7 @@ class ShardingHooks:
         """
         self._objects, self._pending = dict(objects), None
         self._plan = plan_sharding(self._objects, self._strategy, self._mesh, strict=self._strict)
-        return self.objects
+        return LiveObjects(self)
 
     # -- restore -------------------------------------------------------------------------
 
@@ -225,7 +247,7 @@ class ShardingHooks:
         Args:
           checkpointer: a :class:`Checkpointer`, or a directory: nnx_shard's own,
             or one written by plain Orbax (``CheckpointManager`` items,
-            ``StandardCheckpointer``, ``ocp.v1.save_pytree``), whose item that
+            ``StandardCheckpointer``, ``ocp.v1.save``), whose item that
             fits each object is read (see :mod:`nnx_shard._checkpoint._plain`).
           step: the step (default: the latest).
           items: restore only these objects (default: all the hooks own); the

@@ -74,7 +74,7 @@ def restore_and_reshard(
 
     Args:
       checkpointer: a :class:`Checkpointer` or a directory: nnx_shard's, or one
-        written by plain Orbax (``CheckpointManager``, ``ocp.v1.save_pytree``).
+        written by plain Orbax (``CheckpointManager``, ``ocp.v1.save``).
       objects: the live ``{"model": ..., "optimizer": ..., "ema": ...}``, updated in place.
       strategy: the sharding strategy for the current mesh.
       mesh: the current mesh.

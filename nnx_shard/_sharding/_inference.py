@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import logging
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -258,12 +260,8 @@ def plan_sharding(
     if strict and unmatched:
         raise _unmatched_error(unmatched)
     unused = [r.index for r in rules if r.index not in used]
-    for i in unused:
-        msg = (
-            f"rule {i} ({rules[i].pattern!r}, {rules[i].text!r}) matched no leaf; check the regex for a typo."
-        )
-        warnings.warn(msg, UnusedRuleWarning, stacklevel=3)
-    _log_notes(placements, rules)
+    if not _QUIET.get():
+        _report(placements, rules, unused)
     return ShardingPlan(
         mesh=mesh,
         leaves=placements,
@@ -291,6 +289,30 @@ def _explicit_note(placements: list[LeafPlacement], mesh: Mesh) -> list[Note]:
             f"placement page of the docs (docs/placement.md).",
         )
     ]
+
+
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("nnx_shard_quiet_planning", default=False)
+
+
+@contextlib.contextmanager
+def quiet_planning() -> Iterator[None]:
+    """Plans made inside neither warn of unused rules nor log notes: for rules the user did not write
+    (``ns.suggest``'s candidates), whose notes would read as complaints about the user's own."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
+def _report(placements: list[LeafPlacement], rules: list[_Rule], unused: list[int]) -> None:
+    """Warns of each rule that matched no leaf, then logs the notes."""
+    for i in unused:
+        msg = (
+            f"rule {i} ({rules[i].pattern!r}, {rules[i].text!r}) matched no leaf; check the regex for a typo."
+        )
+        warnings.warn(msg, UnusedRuleWarning, stacklevel=4)
+    _log_notes(placements, rules)
 
 
 def _log_notes(placements: list[LeafPlacement], rules: list[_Rule]) -> None:

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from nnx_shard._base import entry_axes, flatten_leaves, format_bytes, normalize_spec
 from nnx_shard._cluster import DATA_AXES
-from nnx_shard._sharding import ShardingPlan, plan_sharding
+from nnx_shard._sharding import ShardingPlan, plan_sharding, quiet_planning
 
 ACTIVATION_RESERVE = 0.25  # of a chip's memory kept for activations when the budget is the chip's
 TRAFFIC_KINDS = ("gradient all-reduce", "parameter all-gathers", "gradient reduce-scatters", "activations")
@@ -162,7 +162,11 @@ def layouts(state: Any, mesh: Mesh, *, tokens_per_step: int | None = None) -> li
         )  # fmt: skip
     out = []
     for name, rules, why in candidates:
-        plan = replicated if rules == replicated.rules else plan_sharding(state, rules, mesh, strict=False)
+        if rules == replicated.rules:
+            plan = replicated
+        else:
+            with quiet_planning():  # the candidates' notes are not about rules the user wrote
+                plan = plan_sharding(state, rules, mesh, strict=False)
         out.append(Layout(name, rules, plan, _traffic(plan, roles, data, tokens_per_step), why))
     return out
 

@@ -137,3 +137,17 @@ def test_restore_and_reshard_builds_no_owner_and_restore_onto_is_a_function_over
     assert dict(restored["model"]["kernel"].get_value().sharding.mesh.shape) == {"fsdp": 2}
     np.testing.assert_array_equal(np.asarray(restored["model"]["kernel"].get_value()), saved)
     np.testing.assert_array_equal(np.asarray(other["model"].kernel.get_value()), before)  # nothing written
+
+
+def test_the_mapping_on_init_returns_is_never_stale_after_update():
+    mesh8 = ns.create_mesh((8,), ("fsdp",))
+    hooks = ns.ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh8)
+    objects = hooks.on_init(lambda: {"model": nnx.Linear(8, 16, rngs=nnx.Rngs(0))})
+    model = objects["model"]
+    before = model.kernel.get_value().copy()
+    hooks.update(jax.jit(lambda states: jax.tree.map(lambda x: x + 1, states))(hooks.states()))
+    assert (model.kernel.get_value() == before).all()  # not written yet: a loop pays nothing per step
+    assert (objects["model"].kernel.get_value() == before + 1).all()  # reading the mapping synced them
+    assert (model.kernel.get_value() == before + 1).all()
+    assert objects["model"] is model and list(objects) == ["model"] and len(objects) == 1
+    assert dict(objects) == hooks.objects

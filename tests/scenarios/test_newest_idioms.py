@@ -287,7 +287,7 @@ def write(kind: str, root, objects):
             manager.save(7, args=args)
             manager.wait_until_finished()
     elif kind == "v1":
-        ocp.v1.save_pytree(path, {"model": model, "optimizer": opt})
+        ocp.v1.save(path, {"model": model, "optimizer": opt})
     else:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(path, model)

@@ -247,3 +247,32 @@ def test_a_compiled_peak_over_the_chip_tightens_the_budget_and_each_attempt_is_r
     with pytest.raises(ns.NoLayoutFitsError, match="budget tightened to") as caught:
         trainer.suggest(batch)
     assert "everything replicated: sends 4.0 MiB" in str(caught.value)
+
+
+def test_suggest_says_nothing_about_candidate_rules_the_user_never_wrote(caplog, recwarn):
+    """Dimensions no axis divides (70 over 8) make fsdp leave leaves replicated; the candidates' notes stay in
+    their plans instead of reaching the log as if they were about the user's rules."""
+
+    def build():
+        m = nnx.Sequential(nnx.Linear(30, 70, rngs=nnx.Rngs(0)), nnx.Linear(70, 1, rngs=nnx.Rngs(1)))
+        return {
+            "model": m,
+            "optimizer": nnx.Optimizer(m, optax.adamw(1e-3), wrt=nnx.Param),
+            "ema": nnx.EMA(m, 0.9),
+        }
+
+    state = nnx.eval_shape(build)
+    with caplog.at_level("INFO", logger="nnx_shard"):
+        s = ns.suggest(state, mesh8())
+    assert not [r for r in caplog.records if r.name.startswith("nnx_shard")], caplog.text
+    assert not [w for w in recwarn if issubclass(w.category, ns.errors.NnxShardWarning)]
+    assert s.layout == "everything replicated"
+    from nnx_shard._suggest._layouts import layouts
+
+    full = next(
+        c for c in layouts(state, mesh8()) if c.name == "full fsdp"
+    )  # the notes are still in its plan
+    assert any("no free dimension of (70,)" in n for p in full.plan.leaves for n in p.notes)
+    with caplog.at_level("WARNING", logger="nnx_shard"):  # the user's own rules still log as before
+        ns.plan_sharding(state, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh8())
+    assert "leaves left replicated" in caplog.text

@@ -138,7 +138,9 @@ class ScriptedEval(LMTrainer):
 
 
 def test_best_metric_keeps_the_best_steps_and_names_the_best(tmp_path):
-    trainer = ScriptedEval(config(str(tmp_path), max_to_keep=2, best_metric="eval_loss", save_every=2, eval_every=2))
+    trainer = ScriptedEval(
+        config(str(tmp_path), max_to_keep=2, best_metric="eval_loss", save_every=2, eval_every=2)
+    )
     trainer.train(ResumableBatches(records()), eval_data=lambda: [], steps=8)
     assert trainer.checkpointer.all_steps() == [4, 6, 8]  # the 2 best by eval_loss, and the latest to resume
     assert trainer.best_step() == 4
