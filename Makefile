@@ -11,7 +11,7 @@ LATEST_STAMP := $(LATEST)/.installed
 # whole suite stays under 15 minutes on 2 cores (13.5 min against 21.5 min in one process).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast slow-list test-latest test-interop interop-install docs lint install bench chaos clean
+.PHONY: demo test test-fast test-slurm slow-list test-latest test-interop interop-install docs lint install bench chaos clean
 
 # The oldest supported jax, flax, optax and orbax-checkpoint, pinned (constraints/oldest.txt).
 OLDEST := constraints/oldest.txt
@@ -75,6 +75,11 @@ interop-install: $(INTEROP_STAMP)
 test-interop: $(INTEROP_STAMP)
 	@$(INTEROP)/bin/python -c "$(STACK); import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | sed 's|^|make test-interop: |'
 	JAX_PLATFORMS=cpu $(INTEROP)/bin/python -m pytest -q -p no:cacheprovider tests/interop
+
+# The SLURM recipe (examples/cluster/slurm.sbatch) run for real: a one-node cluster (munged, slurmctld,
+# slurmd; installed with apt where missing) in a temporary folder, tests/slurm against it, every daemon stopped.
+test-slurm: $(STAMP)
+	PY=$(PY) bash tests/slurm/cluster.sh
 
 # The documentation site: Sphinx, sphinx_book_theme, MyST, autodoc/autosummary/napoleon, intersphinx, a copy
 # button; built with warnings as errors, then every page's examples run (sphinx's doctest builder).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -78,6 +79,22 @@ def train_batches(
         return {"images": images, "labels": data["train_labels"][idx[rows]]}
 
     return batch
+
+
+def elastic_batches(data: dict[str, np.ndarray], batch_size: int, seed: int = 0) -> Any:
+    """The training examples through grain's ``ElasticIterator``: its position is global, so a run resumed on
+    any number of processes reads each example once, where an uninterrupted run would have. Each example
+    carries its number (``index``) so a run can say which it read.
+    """
+    import grain
+
+    n = len(data["train_labels"])
+    ds = grain.MapDataset.range(n).shuffle(seed=seed).repeat()
+    ds = ds.map(
+        lambda i: {"images": data["train_images"][i], "labels": data["train_labels"][i], "index": np.int32(i)}
+    )
+    shard = grain.sharding.ShardOptions(jax.process_index(), jax.process_count())
+    return grain.experimental.ElasticIterator(ds, batch_size, shard)
 
 
 def _shift(image: np.ndarray, dy: int, dx: int) -> np.ndarray:

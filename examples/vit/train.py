@@ -7,7 +7,9 @@
     python examples/vit/train.py --distributed --real-devices ...                  # TPU pod: every worker runs this
     python examples/vit/train.py --config l16 --aot v5e:16x16 [--slices 2]   # compile for a pod here, train nothing
 
-Prints one line starting with SUMMARY: a JSON summary (plan, restore report, losses, accuracy).
+Prints one line starting with SUMMARY: a JSON summary (plan, restore report, losses, accuracy). Exits with
+status 75 (EX_TEMPFAIL: run me again) when a SIGTERM (preemption, a scheduler's time limit) stopped it after
+its save, so a batch script can requeue it; a hang past --step-timeout exits with 124.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="resume='auto': restore the newest checkpoint that verifies if there is one (restarts, requeues)",
     )
     ap.add_argument(
-        "--step-timeout", type=float, default=0.0, help="end the process if a step hangs this long (0: off)"
+        "--step-timeout",
+        type=float,
+        default=0.0,
+        help="end the process (status 124) if a step or a save hangs this long (0: off)",
     )
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices per process")
     ap.add_argument("--real-devices", action="store_true", help="use the accelerators JAX finds (GPU/TPU)")
@@ -64,6 +69,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="jax.distributed.initialize() with no arguments (TPU pods, SLURM)",
     )
     ap.add_argument("--progress", default=None, choices=["auto", "bar", "lines", "on", "off"])
+    ap.add_argument(
+        "--data",
+        default="batches",
+        choices=["batches", "elastic"],
+        help="batches: a step -> batch function; elastic: grain's ElasticIterator (each example once on any process count)",
+    )
+    ap.add_argument("--record-examples", action="store_true", help="write the example numbers each step fed")
+    ap.add_argument("--log-every", type=int, default=None)
+    ap.add_argument("--save-every", type=int, default=None)
     args = ap.parse_args(argv)
     if args.workdir is None and args.aot is None:
         ap.error("--workdir is required (unless --aot)")
@@ -85,8 +99,8 @@ def setup_jax(args: argparse.Namespace) -> None:
             heartbeat_timeout_seconds=30,
             shutdown_timeout_seconds=30,
         )
-    elif args.distributed:
-        jax.distributed.initialize()
+    elif args.distributed:  # the scheduler's variables (SLURM, Kubernetes, Cloud TPU) name the processes
+        jax.distributed.initialize(shutdown_timeout_seconds=30)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -104,9 +118,9 @@ def run(argv: list[str] | None = None) -> dict:
     cfg.workdir = args.workdir or ""
     if args.aot:
         return compile_only(cfg, args)
-    if args.total_steps is not None:
-        cfg.total_steps = args.total_steps
-    stop = args.steps if args.steps is not None else cfg.total_steps
+    # total_steps is where train() stops (a resumed run too); the learning-rate schedule keeps its own length.
+    cfg.schedule_steps = args.total_steps if args.total_steps is not None else cfg.total_steps
+    cfg.total_steps = args.steps if args.steps is not None else cfg.schedule_steps
     if args.batch_size is not None:
         cfg.data.batch_size = args.batch_size
     if args.mesh:
@@ -115,7 +129,11 @@ def run(argv: list[str] | None = None) -> dict:
         cfg.progress = args.progress
     if args.resume_auto:
         cfg.resume = "auto"
-    cfg.step_timeout = args.step_timeout
+    cfg.step_timeout = cfg.save_timeout = args.step_timeout
+    for key in ("log_every", "save_every"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    cfg.record_examples = args.record_examples
     if cfg.data.name == "digits":
         data = vit_data.load_digits(seed=cfg.data.seed)
     else:
@@ -124,6 +142,8 @@ def run(argv: list[str] | None = None) -> dict:
         )
 
     trainer = ViTTrainer(cfg)
+    print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
+          f"{jax.device_count()} devices, mesh {ns.describe_mesh(trainer.mesh)}", flush=True)  # fmt: skip
     summary: dict = {
         "devices": jax.device_count(),
         "processes": jax.process_count(),
@@ -137,10 +157,14 @@ def run(argv: list[str] | None = None) -> dict:
         summary["restore"] = str(trainer.restore_and_reshard())
         summary["eval_after_restore"] = evaluate()
     summary["start_step"] = trainer.step
-    batches = vit_data.train_batches(data, cfg.data.batch_size, cfg.data.seed, cfg.data.augment)
-    history = trainer.train(batches, steps=max(0, stop - trainer.step))
+    if args.data == "elastic":
+        batches = vit_data.elastic_batches(data, cfg.data.batch_size, cfg.data.seed)
+    else:
+        batches = vit_data.train_batches(data, cfg.data.batch_size, cfg.data.seed, cfg.data.augment)
+    history = trainer.train(batches)  # up to total_steps, from wherever the run resumed
     summary["losses"] = [(h["step"], h["loss"]) for h in history]
     summary["final_step"] = trainer.step
+    summary["stop_reason"] = trainer.stop_reason
     summary["eval"] = evaluate()
     if len(data["test_labels"]):
         summary["eval_ema"] = trainer.evaluate(vit_data.eval_batches(data, 40), use_ema=True)
@@ -183,5 +207,8 @@ def compile_only(cfg, args: argparse.Namespace) -> dict:
     return summary
 
 
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped by a SIGTERM after saving; run again to go on
+
+
 if __name__ == "__main__":
-    run()
+    sys.exit(EXIT_REQUEUE if run().get("stop_reason") == "preempted" else 0)

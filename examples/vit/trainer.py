@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import nnx_shard as ns
@@ -19,15 +24,30 @@ class ViTTrainer(ns.Trainer):
         for key, value in get_config("tiny").items():  # the ViT's own keys: model, data, learning_rate, ...
             if key not in c:
                 c[key] = value
+        c.schedule_steps = (
+            0  # the learning-rate schedule's length (0: total_steps), apart from where a run stops
+        )
+        c.record_examples = False  # True: each process writes the example numbers of each step it feeds
         return c
+
+    def global_batch(self, batch):
+        """With ``record_examples``, notes the numbered examples (``batch["index"]``) this process feeds to the
+        coming step in ``workdir/examples-<process>.jsonl``; a resumed run's lines for a step come after the
+        lines an earlier run wrote for it."""
+        if self.config.record_examples and self.config.workdir and "index" in batch:
+            line = {"step": self.step + 1, "index": np.asarray(batch["index"]).tolist()}
+            with Path(self.config.workdir, f"examples-{jax.process_index()}.jsonl").open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        return super().global_batch(batch)
 
     def create_model(self, rngs):
         return ViT(**self.config.model, rngs=rngs)
 
     def create_optimizer(self):
         c = self.config
+        length = c.schedule_steps or c.total_steps
         schedule = optax.warmup_cosine_decay_schedule(
-            0.0, c.learning_rate, c.warmup_steps, max(c.total_steps, c.warmup_steps + 1)
+            0.0, c.learning_rate, c.warmup_steps, max(length, c.warmup_steps + 1)
         )
         # inject_hyperparams keeps the current rate in the optimizer state, so the Trainer logs it.
         adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=c.weight_decay)
