@@ -53,7 +53,6 @@ from nnx_shard._reshard import (
     find_intermediate_sharding,
     plan_reshard,
     reshard,
-    reshard_with_intermediate_sharding,
 )
 from nnx_shard._sharding import (
     LeafPlacement,
@@ -136,7 +135,6 @@ __all__ = [
     "register_tactic",
     "replicate",
     "reshard",
-    "reshard_with_intermediate_sharding",
     "restore_and_reshard",
     "save_peft_adapters",
     "save_safetensors",

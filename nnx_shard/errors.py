@@ -133,8 +133,12 @@ class NoIntermediateShardingNeededError(NoIntermediateShardingError):
     """Every target shard already lies inside one source shard: copy shards directly."""
 
 
-class CheckpointError(ShardingError):
-    """Base class of checkpoint errors; the live state and the checkpoints are left as they were."""
+class CheckpointError(NnxShardError, ValueError):
+    """Base class of checkpoint errors; the live state and the checkpoints are left as they were.
+
+    Not a :class:`ShardingError`: a full disk or a damaged file is not bad sharding input. It stays a
+    ``ValueError``, as it was, so code that catches ``ValueError`` keeps catching it.
+    """
 
 
 class NoCheckpointError(CheckpointError):

@@ -134,7 +134,6 @@ TOPICS: dict[str, tuple[str, list[str]]] = {
             "LeafReshard",
             "Route",
             "find_intermediate_sharding",
-            "reshard_with_intermediate_sharding",
             "ResizeReport",
         ],
     ),

@@ -6,7 +6,7 @@ lacks exactly once (``jax.lax.ppermute``), so bytes moved equal the ideal,
 nothing is gathered onto one device and nothing goes through the host.
 """
 
-from nnx_shard._reshard._executor import plan_reshard, reshard, reshard_with_intermediate_sharding
+from nnx_shard._reshard._executor import plan_reshard, reshard
 from nnx_shard._reshard._host import from_host
 from nnx_shard._reshard._intermediate import find_intermediate_sharding
 from nnx_shard._reshard._planner import LeafReshard, ReshardPlan, Route
@@ -19,5 +19,4 @@ __all__ = [
     "from_host",
     "plan_reshard",
     "reshard",
-    "reshard_with_intermediate_sharding",
 ]

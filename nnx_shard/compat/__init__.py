@@ -4,7 +4,8 @@ Users coming from eformer (escale), big_vision or the original NNX
 sharding-utils module find their names here (and, re-exported, in
 ``nnx_shard`` itself): ``ShardingRule`` and the automatic rules,
 ``ShardingAnalyzer``, ``create_monitored_function``, ``MeshPartitionHelper``,
-big_vision's local-slice helpers and eformer's mesh helpers. The primary API
+big_vision's local-slice helpers, eformer's mesh helpers and pathwaysutils'
+``reshard_with_intermediate_sharding``. The primary API
 is the regex-tactic strategy of :func:`nnx_shard.infer_sharding`; a
 ``ShardingRule`` instance may stand as a tactic in it.
 
@@ -27,6 +28,7 @@ from nnx_shard.compat._mesh import (
     parse_mesh_from_string,
 )
 from nnx_shard.compat._partition_helper import MeshPartitionHelper
+from nnx_shard.compat._pathways import reshard_with_intermediate_sharding
 from nnx_shard.compat._rules import (
     AutoShardingRule,
     CompositeShardingRule,
@@ -55,4 +57,5 @@ __all__ = [
     "make_fsarray_from_local_slice",
     "map_arrays",
     "parse_mesh_from_string",
+    "reshard_with_intermediate_sharding",
 ]
