@@ -2,8 +2,8 @@
 
 # _versions first: a jax/flax pair that cannot import is named before anything imports flax
 from nnx_shard._base import _versions  # noqa: F401
+from nnx_shard._base._bytes import format_bytes, format_table, parse_bytes
 from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, cached, clear_caches
-from nnx_shard._base._format import format_bytes, format_table, parse_bytes
 from nnx_shard._base._jax_private import abstract_construction, distributed_client, threefry_kernel
 from nnx_shard._base._mesh import (
     DEFAULT_AXIS_DIMS,

@@ -3,7 +3,7 @@
 from nnx_shard._live._hooks import ShardingHooks
 from nnx_shard._live._placement import create_sharded, place_like_target, sharded_init_fn
 from nnx_shard._live._resize import ResizeReport
-from nnx_shard._live._restore import restore_and_reshard
+from nnx_shard._live._restore_objects import restore_and_reshard
 
 __all__ = [
     "ResizeReport",

@@ -15,7 +15,7 @@ from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, r
 from nnx_shard._cluster import barrier_sync
 from nnx_shard._live._placement import create_sharded
 from nnx_shard._live._resize import ResizeReport, move
-from nnx_shard._live._restore import place_loaded
+from nnx_shard._live._restore_objects import place_loaded
 from nnx_shard._reshard import reshard
 from nnx_shard._sharding import ShardingPlan, plan_sharding
 from nnx_shard.errors import CheckpointError, LifecycleError

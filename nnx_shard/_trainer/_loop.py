@@ -29,7 +29,7 @@ from nnx_shard._trainer._recovery import (
     snapshot,
     start_snapshots,
 )
-from nnx_shard._trainer._resize import Resizing
+from nnx_shard._trainer._resize_job import Resizing
 from nnx_shard._trainer._watchdog import Watchdog
 
 logger = logging.getLogger("nnx_shard")

@@ -20,7 +20,6 @@ from nnx_shard._live import ResizeReport, ShardingHooks
 from nnx_shard._suggest import Suggestion
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._aot import compile_step, suggest_layout
-from nnx_shard._trainer._checkpoints import restore_options, save_step
 from nnx_shard._trainer._config import config_checkpointer, config_mesh, default_config, merge_config
 from nnx_shard._trainer._finetune import labels, load_weights, resolve_wrt
 from nnx_shard._trainer._lineage import Lineage
@@ -28,7 +27,8 @@ from nnx_shard._trainer._loop import Callback, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
 from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
-from nnx_shard._trainer._resize import Resizing
+from nnx_shard._trainer._resize_job import Resizing
+from nnx_shard._trainer._saving import restore_options, save_step
 from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
 from nnx_shard._trainer._views import LiveObject, RenamedMethod
 from nnx_shard._trainer._watchdog import Watchdog

@@ -19,14 +19,14 @@ P('fsdp', None)
 import jax  # noqa: F401  (used by the doctest above)
 
 from nnx_shard.compat._analysis import ShardingAnalyzer, create_monitored_function
-from nnx_shard.compat._local_slice import get_local_slice_from_fsarray, make_fsarray_from_local_slice
-from nnx_shard.compat._mesh import (
+from nnx_shard.compat._eformer_mesh import (
     cpu_context,
     create_cpu_mesh,
     create_device_mesh,
     force_cpu,
     parse_mesh_from_string,
 )
+from nnx_shard.compat._local_slice import get_local_slice_from_fsarray, make_fsarray_from_local_slice
 from nnx_shard.compat._partition_helper import MeshPartitionHelper
 from nnx_shard.compat._pathways import reshard_with_intermediate_sharding
 from nnx_shard.compat._rules import (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -38,6 +39,13 @@ LAYERS = {
 }
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """Each file parsed once for the whole module's tests."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
 def modules() -> dict[str, Path]:
     """Dotted name (relative to the package) -> file, for every module of the package."""
     out = {}
@@ -48,6 +56,15 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def test_one_meaning_per_module_name_across_the_folders():
+    """A private module's name says one thing wherever it sits (``_restore`` was two modules, in two layers)."""
+    seen: dict[str, list[str]] = {}
+    for name in modules():
+        if "." in name:
+            seen.setdefault(name.rsplit(".", 1)[1], []).append(name)
+    assert {n: where for n, where in seen.items() if len(where) > 1} == {}
+
+
 def layer(name: str) -> int:
     return LAYERS[name.split(".")[0]]
 
@@ -55,7 +72,7 @@ def layer(name: str) -> int:
 def imports(path: Path) -> list[tuple[str, str | None, int]]:
     """``(module, imported name or None, line)`` for every nnx_shard import, function-level ones too."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nnx_shard"):
             out += [
                 (node.module.removeprefix("nnx_shard").lstrip("."), a.name, node.lineno) for a in node.names
@@ -113,7 +130,7 @@ def test_a_folder_is_imported_from_outside_only_through_its_face():
 def test_every_module_and_folder_opens_with_one_line_saying_what_it_holds():
     missing = []
     for name, path in modules().items():
-        doc = ast.get_docstring(ast.parse(path.read_text()))
+        doc = ast.get_docstring(parsed(path))
         if not doc or not doc.splitlines()[0].strip():
             missing.append(name or "nnx_shard")
     assert not missing, missing
@@ -124,7 +141,7 @@ def test_every_attribute_is_set_in_init():
     """A method may change an attribute, never add one: a class's attributes are all in its ``__init__``."""
     bad = []
     for name, path in modules().items():
-        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+        for cls in (n for n in ast.walk(parsed(path)) if isinstance(n, ast.ClassDef)):
             methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
             declared = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)} | {
                 t.id
@@ -163,7 +180,7 @@ def test_no_class_is_cut_in_two_through_inheritance():
     several, as Tactic): never a half-class with one subclass, holding part of its fields and methods."""
     ours: dict[str, tuple[str, list[str]]] = {}
     for name, path in modules().items():
-        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+        for cls in (n for n in ast.walk(parsed(path)) if isinstance(n, ast.ClassDef)):
             ours[cls.name] = (name, [ast.unparse(b) for b in cls.bases])
     subclasses = {b: [c for c, (_, bases) in ours.items() if b in bases] for b in ours}
     bad = [
@@ -214,7 +231,7 @@ def test_no_module_imports_another_modules_private_name():
                 and f"{target}.{imported}".lstrip(".") not in mods
             ):
                 bad.append(f"{path.name}:{line} imports {imported} from {target}")
-        for node in ast.walk(ast.parse(path.read_text())):  # module._name reach-ins
+        for node in ast.walk(parsed(path)):  # module._name reach-ins
             if (
                 isinstance(node, ast.Attribute)
                 and node.attr.startswith("_")
@@ -304,7 +321,7 @@ def test_errors_have_a_namespace_and_the_seeds_names_warn_once_from_the_top_leve
 def test_no_function_body_is_over_60_lines():
     long = []
     for name, path in modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body
                 if isinstance(body[0], ast.Expr) and isinstance(
@@ -325,7 +342,7 @@ def test_the_trainers_parts_see_it_through_declared_interfaces(tmp_path):
     for name, path in modules().items():
         if not name.startswith("_trainer."):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.arg) and node.arg in ("trainer", "host"):
                 annotation = ast.unparse(node.annotation) if node.annotation else "nothing"
                 if annotation in ("Any", "nothing"):
@@ -369,7 +386,7 @@ def test_tests_are_grouped_like_the_package_and_import_no_benchmark():
     assert programs == ["make_tiny.py"], programs  # the test data's generator sits with its data
     issue = re.compile(r"\bissue\s+#?\d+", re.IGNORECASE)
     for path in tests.rglob("*.py"):
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [n for n in names if n.split(".")[0] == "benchmarks"], path
