@@ -1,9 +1,8 @@
-"""NNX state <-> ``encoder/layers/0/mlp/kernel``: the one path flattener, and which parameter a leaf mirrors."""
+"""NNX state <-> ``encoder/layers/0/mlp/kernel``: the one path flattener, Leaf records, grouped objects."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -12,41 +11,10 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
-from flax.nnx.training.optimizer import OptState
 
-from nnx_shard._base._caches import cached
+from nnx_shard._base._mirror import Parameters
 from nnx_shard._base._specs import itemsize
 from nnx_shard._base._visibility import raise_hidden, reveal
-
-# The first path segment under which a state mirrors the parameters:
-# ``nnx.Optimizer`` keeps ``opt_state``, ``nnx.EMA`` keeps ``params``.
-MIRROR_ROOTS = frozenset({"opt_state", "params"})
-
-
-@cached(maxsize=None)
-def optax_state_fields() -> frozenset[str]:
-    """The field names of every optax state NamedTuple (``mu``, ``nu``, ``inner_state``...).
-
-    Read from the installed optax, so new optimizers are covered without a list
-    to maintain.
-
-    >>> {"mu", "nu", "inner_state"} <= optax_state_fields()
-    True
-    """
-    import optax
-
-    modules = [optax]
-    for sub in ("contrib", "transforms", "schedules"):
-        try:
-            modules.append(getattr(__import__(f"optax.{sub}"), sub))
-        except (ImportError, AttributeError):  # pragma: no cover - older optax
-            pass
-    fields: set[str] = set()
-    for module in modules:
-        for obj in vars(module).values():
-            if inspect.isclass(obj) and issubclass(obj, tuple) and hasattr(obj, "_fields"):
-                fields.update(obj._fields)
-    return frozenset(fields | MIRROR_ROOTS)
 
 
 def is_variable(x: Any) -> bool:
@@ -71,39 +39,6 @@ def flatten_with_paths(tree: Any, is_leaf: Any = is_variable) -> tuple[list[tupl
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(path_str(p), v) for p, v in flat], treedef
-
-
-def _is_structural(segment: str) -> bool:
-    return segment.isdigit() or segment in optax_state_fields()
-
-
-def mirror_candidates(segments: tuple[str, ...], group_depth: int = 0) -> tuple[str, ...]:
-    """The names a strategy rule may also match for a leaf that mirrors a parameter.
-
-    For ``opt_state/1/0/mu/up/kernel`` these are the suffixes left after each
-    leading structural segment (chain indices, optax state fields), ending with
-    the parameter path ``up/kernel``. For ``params/up/kernel`` in an EMA it is
-    ``up/kernel``. When states are grouped (``{'model': ..., 'opt': ...}``),
-    ``group_depth`` segments name the group and the path inside it counts too.
-
-    >>> mirror_candidates(("opt_state", "0", "mu", "up", "kernel"))
-    ('0/mu/up/kernel', 'mu/up/kernel', 'up/kernel')
-    >>> mirror_candidates(("params", "up", "kernel"))
-    ('up/kernel',)
-    >>> mirror_candidates(("encoder", "layers", "0", "kernel"))
-    ()
-    """
-    rel = segments[group_depth:]
-    out: list[str] = ["/".join(rel)] if group_depth and rel else []
-    start = 0
-    if len(rel) > 1 and rel[1] in MIRROR_ROOTS and rel[0] not in MIRROR_ROOTS:
-        start = 1  # a user's own key naming the optimizer / EMA, then its root
-    if len(rel) > start + 1 and _is_structural(rel[start]):
-        i = start
-        while i < len(rel) - 1 and _is_structural(rel[i]):
-            i += 1
-            out.append("/".join(rel[i:]))
-    return tuple(out)
 
 
 @dataclasses.dataclass
@@ -254,79 +189,37 @@ def _group_kinds(tree: Any, group_depth: int) -> dict[Any, str]:
     return {str(k): _kind(v) for k, v in items}
 
 
-def _in_optax_state(keypath: tuple[Any, ...]) -> bool:
-    fields = optax_state_fields()
-    return any(isinstance(k, jax.tree_util.GetAttrKey) and k.name in fields for k in keypath)
-
-
 def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
     """Flattens a state, Module or pytree into :class:`Leaf` records and a treedef.
 
     The treedef has one leaf per ``nnx.Variable`` (or per array of a plain
     pytree), so ``jax.tree_util.tree_unflatten(treedef, values)`` builds a tree
-    of the same structure holding ``values``. A leaf mirrors a parameter only
-    when it is known to be optimizer or EMA state: it belongs to an
-    ``nnx.Optimizer`` (its Variables are ``OptState``s) or to an optax state, or
-    to an ``nnx.EMA``, or, among grouped states, it sits under ``params`` and a
-    parameter of the same path and shape lives in another group.
+    of the same structure holding ``values``. Which parameter each optimizer or
+    EMA leaf mirrors is decided in :mod:`nnx_shard._base._mirror`, rule by rule.
     """
     state, group_depth = as_state(visible(tree))
-    kinds = _group_kinds(tree, group_depth)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)
+    parameters = Parameters(_group_kinds(tree, group_depth), group_depth)
     records = []
-    index: dict[str | None, dict[str, tuple[tuple[int, ...] | None, Any]]] = {}
     for keypath, value in flat:
         path = path_str(keypath)
         segments = tuple(path.split("/")) if path else ()
-        group = segments[0] if group_depth and segments else None
         abstract = abstract_of(value)
-        shape = abstract[0] if abstract is not None else None
-        records.append((keypath, path, segments, group, value, abstract))
-        index.setdefault(group, {})["/".join(segments[group_depth:])] = (shape, value)
-
-    def holder(param: str, shape: Any, own: Any) -> str | None:
-        found = [g for g, paths in index.items() if g != own and param in paths and paths[param][0] == shape]
-        return next((g for g in found if kinds.get(g) == "model"), found[0] if found else None)
-
+        parameters.add(segments, abstract[0] if abstract is not None else None, value)
+        records.append((keypath, path, segments, value, abstract))
     leaves = []
-    for keypath, path, segments, group, value, abstract in records:
+    for keypath, path, segments, value, abstract in records:
         shape, dtype = abstract if abstract is not None else (None, None)
-        rel = segments[group_depth:]
-        kind = kinds.get(group, "state")
-        known = (
-            kind in ("optimizer", "ema")
-            or isinstance(value, OptState)
-            or _in_optax_state(keypath)
-            or (
-                bool(group_depth)
-                and len(rel) > 1
-                and rel[0] == "params"
-                and holder("/".join(rel[1:]), shape, group)
-            )
-        )
-        candidates = (
-            mirror_candidates(segments, group_depth) if known else (("/".join(rel),) if group_depth else ())
-        )
-        fields = [i for i, k in enumerate(keypath) if isinstance(k, jax.tree_util.GetAttrKey)]
-        if known and fields and len(candidates) < 2 and fields[-1] + 1 < len(segments):
-            # An optax state under the user's own keys: what follows its last field is the parameter.
-            candidates = (*candidates, "/".join(segments[fields[-1] + 1 :]))
-        mirror = candidates[-1] if known and candidates and candidates[-1] != "/".join(rel) else None
-        mirror_variable = None
-        if mirror is not None and group_depth:
-            model = holder(mirror, shape, group)
-            if model is not None:
-                candidates = (*candidates, f"{model}/{mirror}")  # rules written against model/... paths
-                mirror_variable = index[model][mirror][1]
+        mirror = parameters.mirror_of(keypath, segments, shape, value)
         leaves.append(
             Leaf(
                 path=path,
                 shape=shape,
                 dtype=dtype,
                 variable=value if is_variable(value) else None,
-                candidates=candidates,
-                mirror=mirror,
-                mirror_variable=mirror_variable if is_variable(mirror_variable) else None,
+                candidates=mirror.candidates,
+                mirror=mirror.path,
+                mirror_variable=mirror.variable if is_variable(mirror.variable) else None,
             )
         )
     return leaves, treedef

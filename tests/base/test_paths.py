@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnx_shard._base._paths import as_state, flatten_leaves, flatten_with_paths, mirror_candidates, path_str
+from nnx_shard._base._mirror import mirror_candidates
+from nnx_shard._base._paths import as_state, flatten_leaves, flatten_with_paths, path_str
 from tests.helpers import MLP, make_train_state
 
 
