@@ -22,7 +22,7 @@ from nnx_shard._base import (
     threefry_kernel,
     visible,
 )
-from nnx_shard._reshard import from_host
+from nnx_shard._reshard import from_host, reshard
 from nnx_shard._sharding import ShardingPlan, logical_rules_of, parse_tactic, plan_sharding
 from nnx_shard.errors import PlacementError
 
@@ -69,9 +69,15 @@ def _indivisible(sharding: Sharding, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _put(value: Any, sharding: Sharding) -> jax.Array:
-    """Moves one value onto ``sharding``: device arrays by ``device_put``, host data by :func:`from_host`."""
-    return jax.device_put(value, sharding) if isinstance(value, jax.Array) else from_host(value, sharding)
+def _move_device_arrays(plan: list[tuple[str, Any, Sharding | None]]) -> list[jax.Array]:
+    """The plan's device arrays on their targets, in order, through the reshard engine: each piece sent once,
+    no whole array gathered on one device (``jax.device_put`` may), the inputs left as they were."""
+    raws = [v.get_value() if isinstance(v, nnx.Variable) else v for _, v, s in plan if s is not None]
+    shardings = [s for _, v, s in plan if s is not None]
+    pairs = [(r, s) for r, s in zip(raws, shardings, strict=True) if isinstance(r, jax.Array)]
+    if not pairs:
+        return []
+    return reshard([r for r, _ in pairs], [s for _, s in pairs])
 
 
 def _check_leaf(path: str, raw: Any, sharding: Sharding, shape: Any, dtype: Any) -> None:
@@ -111,8 +117,10 @@ def place_like_target(tree: Any, target: Any) -> Any:
     (``jax.ShapeDtypeStruct(..., sharding=...)``) or shardings. Leaves whose
     value or target has no sharding pass through unchanged. Host data goes
     through ``jax.make_array_from_callback``, so in a multi-process run each
-    process builds only the shards its own devices hold. Everything is checked
-    before the first transfer, so a mismatch places nothing.
+    process builds only the shards its own devices hold. Device arrays move
+    through :func:`nnx_shard.reshard` (each piece sent once, never a whole
+    array on one device; the inputs stay valid). Everything is checked before
+    the first transfer, so a mismatch places nothing.
 
     Args:
       tree: an ``nnx.State``, a Module (updated in place and returned) or a pytree.
@@ -164,12 +172,13 @@ def place_like_target(tree: Any, target: Any) -> Any:
         plan.append((path, value, sharding))
     placed: list[Any] = []
     try:
+        moved = iter(_move_device_arrays(plan))
         for _, value, sharding in plan:
             if sharding is None:
                 placed.append(value)
                 continue
             raw = value.get_value() if isinstance(value, nnx.Variable) else value
-            array = _put(raw, sharding)
+            array = next(moved) if isinstance(raw, jax.Array) else from_host(raw, sharding)
             placed.append(value.replace(array) if isinstance(value, nnx.Variable) else array)
     except Exception:
         for x in placed:  # leave nothing half-placed behind

@@ -133,3 +133,23 @@ def test_shardings_alone_are_checked_for_divisibility_before_any_transfer():
     assert "'bad' of shape (12, 4) cannot be placed on P('fsdp')" in text
     assert "dim 0 of size 12 is not divisible by the 8 shards of 'fsdp'" in text and "Pad the array" in text
     assert len(jax.live_arrays()) == before  # nothing was placed
+
+
+def test_device_arrays_move_through_the_reshard_engine_never_gathered_on_one_device(monkeypatch):
+    """place_like_target on jax arrays goes through ns.reshard (each piece sent once), not jax.device_put."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from nnx_shard._live import _placement
+    from tests.helpers import no_host_transfers
+
+    devices = jax.devices()
+    src = NamedSharding(Mesh(np.array(devices), ("fsdp",)), PartitionSpec("fsdp"))
+    dst = NamedSharding(Mesh(np.array(devices[4:]), ("tp",)), PartitionSpec(None, "tp"))
+    x = jax.device_put(np.arange(64 * 16, dtype=np.float32).reshape(64, 16), src)
+    calls = []
+    monkeypatch.setattr(_placement, "reshard", lambda *a, **k: calls.append(a) or ns.reshard(*a, **k))
+    with no_host_transfers():
+        out = ns.place_like_target({"w": x, "host": np.ones((8, 4), np.float32)}, {"w": dst, "host": None})
+    assert len(calls) == 1 and out["w"].sharding == dst
+    assert (np.asarray(out["w"]) == np.asarray(x)).all() and not x.is_deleted()
+    assert isinstance(out["host"], np.ndarray)  # no target sharding: passed through
