@@ -7,18 +7,17 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import as_state, is_graph_object
+from nnx_shard._base import as_state
 from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, restore_onto
 from nnx_shard._cluster import barrier_sync
 from nnx_shard._live._placement import create_sharded
 from nnx_shard._live._resize import ResizeReport, move
-from nnx_shard._live._restore_objects import place_loaded
+from nnx_shard._live._restore_objects import check_keys, place_loaded, write_states
 from nnx_shard._reshard import reshard
 from nnx_shard._sharding import ShardingPlan, plan_sharding
-from nnx_shard.errors import CheckpointError, LifecycleError
+from nnx_shard.errors import LifecycleError
 
 logger = logging.getLogger("nnx_shard")
 
@@ -151,21 +150,11 @@ class ShardingHooks:
         if states.keys() == self._objects.keys():  # a step's output: every object (the loop's case)
             self._pending = dict(states)
             return
-        self._check_keys(states, "states for {unknown}, which are not among the objects {objects}.")
+        check_keys(states, self._objects, "states for {unknown}, which are not among the objects {objects}.")
         self._pending = {**self.states(), **states}
 
-    def _check_keys(self, given: Mapping[str, Any], message: str) -> None:
-        """Raises ``message`` (with ``{unknown}`` and ``{objects}``) for keys that name no live object."""
-        unknown = sorted(set(given) - set(self._objects))
-        if unknown:
-            raise CheckpointError(message.format(unknown=unknown, objects=sorted(self._objects)))
-
     def _write(self, states: Mapping[str, Any]) -> None:
-        for key, state in states.items():
-            if is_graph_object(self._objects[key]):
-                nnx.update(self._objects[key], state)
-            else:
-                self._objects[key] = state
+        write_states(self._objects, states)
 
     # -- init ------------------------------------------------------------------------
 

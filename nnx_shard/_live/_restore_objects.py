@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import jax
@@ -30,9 +30,7 @@ def place_loaded(
     shard by shard; a pure dict's values go into the structure of ``live``.
     The results own their buffers, so the next jitted step can donate them.
     """
-    unknown = sorted(set(loaded) - set(live))
-    if unknown:
-        raise CheckpointError(f"restored keys {unknown} are not among the objects {sorted(live)}.")
+    check_keys(loaded, live, "restored keys {unknown} are not among the objects {objects}.")
     incoming = {}
     for key, value in loaded.items():
         if isinstance(value, nnx.State) or is_graph_object(value):
@@ -109,7 +107,7 @@ def restore_and_reshard(
     if state is not None:
         placed = place_loaded(state, live, plan.shardings)
         barrier_sync("nnx_shard/on_restore")
-        _write(objects, placed)
+        write_states(objects, placed)
         return None
     options = RestoreOptions(
         item=item, ema_as_model=ema_as_model, free_live=free_live, max_host_bytes=max_host_bytes
@@ -117,12 +115,22 @@ def restore_and_reshard(
     restored, report = restore_onto(checkpointer, live, plan.shardings, mesh, step=step, options=options)
     barrier_sync("nnx_shard/restore_and_reshard")
     logger.info("%s", report)
-    _write(objects, restored)
+    write_states(objects, restored)
     return report
 
 
-def _write(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
-    """The restored states into the caller's graph objects (their arrays replaced in place)."""
+def write_states(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
+    """The states into the live objects: graph objects (Modules, Optimizer, EMA) updated in place, a plain
+    pytree replaced in ``objects`` when it is a mutable mapping."""
     for key, state in states.items():
         if is_graph_object(objects[key]):
             nnx.update(objects[key], state)
+        elif isinstance(objects, MutableMapping):
+            objects[key] = state
+
+
+def check_keys(given: Mapping[str, Any], objects: Mapping[str, Any], message: str) -> None:
+    """Raises ``CheckpointError(message)`` (with ``{unknown}`` and ``{objects}``) for keys naming no object."""
+    unknown = sorted(set(given) - set(objects))
+    if unknown:
+        raise CheckpointError(message.format(unknown=unknown, objects=sorted(objects)))
