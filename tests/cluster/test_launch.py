@@ -309,8 +309,9 @@ def test_launch_info_reads_the_launcher_variables(monkeypatch):
 
 
 def test_cluster_examples_are_well_formed():
-    sbatch = ROOT / "examples" / "cluster" / "slurm.sbatch"
-    assert subprocess.run(["bash", "-n", str(sbatch)], capture_output=True).returncode == 0
+    cluster = ROOT / "examples" / "cluster"
+    for script in ("slurm.sbatch", "train.sh"):
+        assert subprocess.run(["bash", "-n", str(cluster / script)], capture_output=True).returncode == 0
     sys.path.insert(0, str(ROOT))
     from examples.vit.train import parse
 
@@ -318,5 +319,7 @@ def test_cluster_examples_are_well_formed():
         ["--workdir", "w", "--real-devices", "--distributed", "--resume-auto", "--step-timeout", "600"]
     )
     assert args.resume_auto and args.step_timeout == 600 and args.distributed
-    for text in (sbatch.read_text(), (ROOT / "examples" / "cluster" / "jobset.yaml").read_text()):
-        assert "--resume-auto" in text and "--step-timeout" in text
+    entry = (cluster / "train.sh").read_text()  # the one command the sbatch's tasks and the JobSet's pods run
+    assert "--resume-auto" in entry and "--step-timeout" in entry and "--distributed" in entry
+    for text in ((cluster / "slurm.sbatch").read_text(), (cluster / "jobset.yaml").read_text()):
+        assert "examples/cluster/train.sh" in text
