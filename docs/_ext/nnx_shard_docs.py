@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,8 @@ def figures() -> None:
 
 
 def generate(app: Any, config: Any) -> None:
+    for stale in ("api", "errors"):  # pages of names that no longer exist would fail the build
+        shutil.rmtree(GENERATED / stale, ignore_errors=True)
     GENERATED.mkdir(exist_ok=True)
     figures()
     inventories()
