@@ -20,8 +20,8 @@ from jax.experimental import multihost_utils
 from nnx_shard._base import as_state, check_model, flatten_with_paths, is_graph_object
 from nnx_shard._weights._transforms import Op, parse
 from nnx_shard.errors import WeightsMismatchError
+from nnx_shard.key_maps import Rule  # the one definition of a key-map rule
 
-Rule = tuple[str, Any] | tuple[str, Any, str | None]
 STACK_INDEX = re.compile(r"^(.*)\[([\d,\s]+)\]$")
 
 
