@@ -72,12 +72,9 @@ def _indivisible(sharding: Sharding, shape: tuple[int, ...]) -> str | None:
 def _move_device_arrays(plan: list[tuple[str, Any, Sharding | None]]) -> list[jax.Array]:
     """The plan's device arrays on their targets, in order, through the reshard engine: each piece sent once,
     no whole array gathered on one device (``jax.device_put`` may), the inputs left as they were."""
-    raws = [v.get_value() if isinstance(v, nnx.Variable) else v for _, v, s in plan if s is not None]
-    shardings = [s for _, v, s in plan if s is not None]
-    pairs = [(r, s) for r, s in zip(raws, shardings, strict=True) if isinstance(r, jax.Array)]
-    if not pairs:
-        return []
-    return reshard([r for r, _ in pairs], [s for _, s in pairs])
+    raws = [(v.get_value() if isinstance(v, nnx.Variable) else v, s) for _, v, s in plan if s is not None]
+    arrays = [(raw, s) for raw, s in raws if isinstance(raw, jax.Array)]
+    return reshard([raw for raw, _ in arrays], [s for _, s in arrays]) if arrays else []
 
 
 def _check_leaf(path: str, raw: Any, sharding: Sharding, shape: Any, dtype: Any) -> None:

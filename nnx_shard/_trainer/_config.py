@@ -182,9 +182,6 @@ RENAMED = {
 }
 
 DEFAULTS: dict[str, Any] = {key: k.default for key, k in SCHEMA.items()}
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    key: (k.check, k.expects) for key, k in SCHEMA.items() if k.check is not None
-}
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -283,10 +280,10 @@ def check_values(config: Mapping[str, Any], defaults: Mapping[str, Any], where: 
     """
     for key, value in config.items():
         name, default = f"{where}{key}", defaults.get(key)
-        rule = None if where else RULES.get(key)
-        if rule is not None:
-            if not rule[0](value):
-                raise _expected(name, value, rule[1])
+        spec = None if where else SCHEMA.get(key)
+        if spec is not None and spec.check is not None:
+            if not spec.check(value):
+                raise _expected(name, value, spec.expects)
         elif not where and key == "sharding_strategy":
             check_strategy(value)
         elif not where and key == "mesh":

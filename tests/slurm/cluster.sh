@@ -103,8 +103,4 @@ PIDS+=("$(cat "$ROOT_DIR/slurmd.pid")")
 for _ in $(seq 100); do sinfo -h -o %T 2>/dev/null | grep -q '^idle' && break; sleep 0.2; done
 echo "make test-slurm: $(sinfo -h -o '%P %D %T %c' | head -1) cpus on node $NODE (slurm $(sinfo -V | cut -d' ' -f2)); daemons ${PIDS[*]}"
 
-if [ -n "${NNX_SHARD_SLURM_SHELL:-}" ]; then
-  echo "SLURM_CONF=$SLURM_CONF"; sleep "$NNX_SHARD_SLURM_SHELL"
-  exit 0
-fi
 JAX_PLATFORMS=cpu "$PY" -m pytest -q -p no:cacheprovider --durations=0 -rA tests/slurm "$@"
