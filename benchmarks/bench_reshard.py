@@ -43,6 +43,7 @@ TP = [(".*kernel", "shard_dim(axis='tp', dim=-1)"), (".*", "replicate")]
 WARM_ROUNDS = 3
 VARIANTS = (
     "nnx_shard.reshard",
+    "nnx_shard.place_like_target",  # device arrays placed on a target: the same engine since 2026-11-27
     "jax.device_put",
     "host round trip",
     "nnx_shard, 10k small leaves",
@@ -114,6 +115,10 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     base_rss = peak_rss_bytes()
 
     def move(tree, target):
+        if variant == "nnx_shard.place_like_target":  # not donating: the inputs are deleted after it
+            out = ns.place_like_target(tree, target)
+            jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, tree)
+            return out
         if variant.startswith("nnx_shard"):
             return ns.reshard(tree, target, donate=True)
         if variant.startswith("jax.device_put"):
@@ -275,6 +280,14 @@ def main() -> None:
                     ours[key]["round_trip_s"] / runs["jax.device_put"][key]["round_trip_s"], 3
                 ),
             }
+            for key in ("cold", "warm")
+        },
+        "place_like_target_vs_device_put": {
+            key: round(
+                runs["nnx_shard.place_like_target"][key]["round_trip_s"]
+                / runs["jax.device_put"][key]["round_trip_s"],
+                3,
+            )
             for key in ("cold", "warm")
         },
         "rss_vs_device_put": round(
