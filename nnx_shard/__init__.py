@@ -12,7 +12,7 @@ their new home.
 """
 
 # _base's face checks the jax/flax pair first: a pair that cannot import is named before flax is imported
-from nnx_shard import errors, key_maps
+from nnx_shard import errors, key_maps, sources
 from nnx_shard._base import (
     Leaf,
     calculate_host_mesh_shape,
@@ -84,6 +84,7 @@ __all__ = [
     "compat",
     "errors",
     "key_maps",
+    "sources",
     "Checkpointer",
     "CompileReport",
     "DataShard",

@@ -24,7 +24,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from nnx_shard._base import path_str
-from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._directory import read_limit, unreadable
 from nnx_shard._checkpoint._faults import storage_faults
 from nnx_shard._checkpoint._format import (
@@ -71,6 +70,11 @@ def _has_shape(x: Any) -> bool:
 
 def _steps(directory: epath.Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def has_steps(directory: Any) -> bool:
+    """True where ``directory`` holds step folders (numbered)."""
+    return bool(_steps(epath.Path(directory)))
 
 
 def is_nnx_shard(directory: Any) -> bool:
@@ -164,7 +168,7 @@ def choose(
     pool = [i for i in items if item is None or i.name == item]
     if not pool:
         raise CheckpointFormatError(
-            f"no item {item!r} in {where}; it holds {[i.name for i in items]}. Pass one of those as item=."
+            f"no item {item!r} in {where}; it holds {[i.name for i in items]}. Pass one of those as orbax_item=."
         )
     sources: dict[str, tuple[Item, str]] = {}
     for name, leaves in wanted.items():
@@ -174,7 +178,7 @@ def choose(
         if len({c[0].name for c in best}) > 1:
             raise CheckpointFormatError(
                 f"{name!r}: items {[c[0].name for c in best]} of {where} all fit its structure; name the "
-                f"one to restore with item=."
+                f"one to restore with orbax_item=."
             )
         if best:
             sources[name] = best[0]
@@ -209,7 +213,7 @@ def _no_fit(
     want = {n: f"{len(v)} arrays: {list(v)[:3]}" for n, v in wanted.items()}
     return CheckpointFormatError(
         f"no item of {where} fits {name!r}: found {'; '.join(i.describe() for i in pool)}; the objects "
-        f"restored into want {want}. Restore only the objects the checkpoint holds, or name the item with item=."
+        f"restored into want {want}. Restore only the objects the checkpoint holds, or name the item with orbax_item=."
     )
 
 
@@ -302,21 +306,3 @@ class PlainCheckpoint:
     def describe(self) -> str:
         names = sorted({i.name for i, _ in self.sources.values()})
         return f"item{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names)}"
-
-
-def plain_source(checkpointer: Any, item: str | None, ema_as_model: bool) -> PlainCheckpoint | None:
-    """A plain Orbax checkpoint to read, or None for nnx_shard's own (a Checkpointer, or its layout)."""
-    directory = checkpointer.directory if isinstance(checkpointer, Checkpointer) else checkpointer
-    if is_nnx_shard(directory):
-        if item is not None and epath.Path(directory).exists() and _steps(epath.Path(directory)):
-            raise CheckpointFormatError(
-                f"item={item!r} names an item of a plain Orbax checkpoint; {checkpointer} is nnx_shard's "
-                f"own, whose objects are chosen with items=[...]."
-            )
-        return None
-    if ema_as_model:
-        raise CheckpointFormatError(
-            f"ema_as_model=True reads the EMA that nnx_shard saves beside the model; {checkpointer} was "
-            f"written by plain Orbax. Restore its item into the model directly."
-        )
-    return PlainCheckpoint(directory)

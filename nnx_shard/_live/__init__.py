@@ -3,7 +3,7 @@
 from nnx_shard._live._hooks import ShardingHooks
 from nnx_shard._live._placement import create_sharded, place_like_target, sharded_init_fn
 from nnx_shard._live._resize import ResizeReport
-from nnx_shard._live._restore_objects import restore_and_reshard
+from nnx_shard._live._restore_objects import restore_and_reshard, restore_options
 
 __all__ = [
     "ResizeReport",
@@ -11,5 +11,6 @@ __all__ = [
     "create_sharded",
     "place_like_target",
     "restore_and_reshard",
+    "restore_options",
     "sharded_init_fn",
 ]

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
 
 from nnx_shard._base import as_state
-from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, restore_onto
+from nnx_shard._checkpoint import (
+    Checkpointer,
+    LoadedState,
+    RestoreOptions,
+    RestoreReport,
+    check_keys,
+    restore_onto,
+)
 from nnx_shard._cluster import barrier_sync
 from nnx_shard._live._placement import create_sharded
 from nnx_shard._live._resize import ResizeReport, move
-from nnx_shard._live._restore_objects import check_keys, place_loaded, write_states
+from nnx_shard._live._restore_objects import restore_options, source_given, write_states
 from nnx_shard._reshard import reshard
 from nnx_shard._sharding import ShardingPlan, plan_sharding
 from nnx_shard.errors import LifecycleError
@@ -200,33 +206,32 @@ class ShardingHooks:
 
     # -- restore -------------------------------------------------------------------------
 
-    def on_restore(self, restored: Mapping[str, Any]) -> None:
+    def on_restore(self, restored: Mapping[str, Any]) -> RestoreReport:
         """Puts loaded state onto the current shardings and into the live objects.
 
         ``restored`` maps the same keys as the objects to States, pure dicts
         (``nnx.to_pure_dict``) or numpy trees, on any mesh or on the host.
         Arrays on devices are resharded (no host round trip); host data is
         placed shard by shard. The results own their buffers, so the next
-        jitted step can donate them.
+        jitted step can donate them. The same as ``restore_and_reshard(restored)``.
         """
-        self._require("live objects to restore into")
-        self.update(place_loaded(restored, self.states(), self.shardings))
-        barrier_sync("nnx_shard/on_restore", timeout=self.barrier_timeout)
+        return self.restore_and_reshard(LoadedState(restored))
 
     def restore_and_reshard(
         self,
-        checkpointer: Checkpointer | str | os.PathLike[str],
+        source: Any = None,
         *,
         step: int | None = None,
-        items: Sequence[str] | None = None,
-        item: str | None = None,
+        options: RestoreOptions | None = None,
+        only: Sequence[str] | None = None,
+        orbax_item: str | None = None,
         ema_as_model: bool = False,
         free_live: bool = False,
         max_host_bytes: int | None = None,
         frozen: Any = None,
-        options: RestoreOptions | None = None,
+        **old: Any,
     ) -> RestoreReport:
-        """Restores ``step`` (default: the latest) from ``checkpointer`` onto the current devices.
+        """Restores ``step`` (default: the latest) of ``source`` onto the current devices.
 
         The read goes straight into the shardings inferred for the current
         mesh, whatever the device and process counts were at save time. A
@@ -234,15 +239,19 @@ class ShardingHooks:
         ``free_live`` asked to free them first (to keep the peak low).
 
         Args:
-          checkpointer: a :class:`Checkpointer`, or a directory: nnx_shard's own,
+          source: a :class:`Checkpointer`, or a directory: nnx_shard's own,
             or one written by plain Orbax (``CheckpointManager`` items,
             ``StandardCheckpointer``, ``ocp.v1.save``), whose item that
-            fits each object is read (see :mod:`nnx_shard._checkpoint._plain`).
+            fits each object is read (see :mod:`nnx_shard._checkpoint._plain`);
+            a safetensors folder (into the model); states already loaded (as
+            :meth:`on_restore` takes them); or any registered source.
           step: the step (default: the latest).
-          items: restore only these objects (default: all the hooks own); the
-            checkpoint's other items are not read. Within an item the structure
+          options: the keywords below as one :class:`RestoreOptions` (then none of them is given:
+            giving both raises :class:`~nnx_shard.errors.ConflictingArgumentsError`).
+          only: restore only these objects (default: all the hooks own); the
+            checkpoint's other objects are not read. Within an object the structure
             must match exactly.
-          item: for a plain Orbax checkpoint, the name of its item to read.
+          orbax_item: for a plain Orbax checkpoint, the name of its item to read.
           ema_as_model: load the checkpoint's EMA parameters into the model's
             parameters (the model's other state, such as batch statistics and
             RNG counters, from the checkpoint's model); the EMA object itself
@@ -254,23 +263,31 @@ class ShardingHooks:
             state's own size.
           frozen: an nnx filter of model parameters the checkpoint does not hold
             (saved without them): they keep their live values.
-          options: all of the above as one :class:`RestoreOptions` (then none of them is given:
-            giving both raises :class:`~nnx_shard.errors.ConflictingArgumentsError`).
+
+        ``items=``, ``item=`` and ``checkpointer=`` are the old names of ``only=``,
+        ``orbax_item=`` and ``source`` (they warn).
         """
-        opts = RestoreOptions.given(
-            options,
-            items=items,
-            item=item,
-            ema_as_model=ema_as_model,
-            free_live=free_live,
-            max_host_bytes=max_host_bytes,
-            frozen=frozen,
+        where = "ShardingHooks.restore_and_reshard"
+        unknown = sorted(set(old) - {"checkpointer", "items", "item"})
+        if unknown:
+            raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
+        source = source_given(where, source, {"checkpointer": old.pop("checkpointer", None)})
+        if source is None:
+            raise TypeError(f"{where}() needs a source: a Checkpointer, a directory, or loaded states.")
+        keywords = {
+            "only": only,
+            "orbax_item": orbax_item,
+            "ema_as_model": ema_as_model,
+            "free_live": free_live,
+        }
+        opts = restore_options(
+            where, options, keywords | {"max_host_bytes": max_host_bytes, "frozen": frozen, **old}
         )
         self._require("live objects to restore into")
         restored, report = restore_onto(
-            checkpointer, self.states(), self.shardings, self._mesh, step=step, options=opts
+            source, self.states(), self.shardings, self._mesh, step=step, options=opts
         )
-        self.update(restored)  # Orbax's arrays own their buffers: donatable (tested)
+        self.update(restored)  # the restored arrays own their buffers: donatable (tested)
         barrier_sync("nnx_shard/restore_and_reshard", timeout=self.barrier_timeout)
         logger.info("%s", report)
         return report

@@ -1,95 +1,90 @@
-"""Restored state onto the current mesh: ``restore_and_reshard`` for any objects, and loaded state placed."""
+"""``restore_and_reshard`` for objects no hooks own, and the arguments every public restore shares."""
 
 from __future__ import annotations
 
 import logging
-import os
+import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard._base import as_state, is_graph_object
-from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, restore_onto
+from nnx_shard._checkpoint import RestoreOptions, RestoreReport, renamed, restore_onto
 from nnx_shard._cluster import barrier_sync
-from nnx_shard._reshard import reshard
 from nnx_shard._sharding import plan_sharding
-from nnx_shard.errors import CheckpointError
+from nnx_shard.errors import ConflictingArgumentsError
 
 logger = logging.getLogger("nnx_shard")
 
 
-def place_loaded(
-    loaded: Mapping[str, Any], live: Mapping[str, Any], shardings: Mapping[str, Any]
-) -> dict[str, Any]:
-    """State loaded anywhere (States, pure dicts or numpy trees, on any mesh or the host) onto ``shardings``.
-
-    Arrays on devices are resharded (no host round trip); host data is placed
-    shard by shard; a pure dict's values go into the structure of ``live``.
-    The results own their buffers, so the next jitted step can donate them.
-    """
-    check_keys(loaded, live, "restored keys {unknown} are not among the objects {objects}.")
-    incoming = {}
-    for key, value in loaded.items():
-        if isinstance(value, nnx.State) or is_graph_object(value):
-            incoming[key] = nnx.state(value) if is_graph_object(value) else value
-        else:  # a pure dict: put its values into the live structure
-            template = jax.tree.map(lambda x: x, live[key])
-            nnx.replace_by_pure_dict(template, _unwrap_values(value))
-            incoming[key] = template
-    return reshard(incoming, {k: shardings[k] for k in incoming}, donate=False)
+def restore_options(where: str, options: RestoreOptions | None, arguments: dict[str, Any]) -> RestoreOptions:
+    """The options of a public restore: ``options=``, or its keywords (the old ``items=``/``item=`` warn)."""
+    return RestoreOptions.given(options, **renamed(arguments, where))
 
 
-def _unwrap_values(tree: Any) -> Any:
-    """Orbax's layout without a target keeps each Variable as ``{"value": x}``: take ``x``."""
-    if isinstance(tree, Mapping):
-        if set(tree) == {"value"}:
-            return tree["value"]
-        return {k: _unwrap_values(v) for k, v in tree.items()}
-    return tree
+def source_given(where: str, source: Any, old: dict[str, Any]) -> Any:
+    """The source, or what an old keyword (``checkpointer=``, ``state=``) gave, with a warning."""
+    given = {k: v for k, v in old.items() if v is not None}
+    if not given:
+        return source
+    (name, value), *rest = given.items()
+    if rest or source is not None:
+        raise ConflictingArgumentsError(
+            f"{where} reads one source; it got {', '.join(['source', *given] if source is not None else given)}."
+        )
+    warnings.warn(
+        f"{where}: {name}= is now the first argument, source (every kind of source goes there).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return value
 
 
 def restore_and_reshard(
-    checkpointer: Checkpointer | str | os.PathLike[str],
-    objects: Mapping[str, Any],
-    strategy: Sequence[tuple[str, Any]],
-    mesh: Mesh,
+    source: Any = None,
+    objects: Mapping[str, Any] | None = None,
+    strategy: Sequence[tuple[str, Any]] | None = None,
+    mesh: Mesh | None = None,
     *,
     step: int | None = None,
-    state: Mapping[str, Any] | None = None,
-    item: str | None = None,
+    options: RestoreOptions | None = None,
+    only: Sequence[str] | None = None,
+    orbax_item: str | None = None,
     ema_as_model: bool = False,
     free_live: bool = False,
     max_host_bytes: int | None = None,
-) -> RestoreReport | None:
-    """Restores a checkpoint (or a state already loaded with Orbax) onto the current mesh.
+    frozen: Any = None,
+    **old: Any,
+) -> RestoreReport:
+    """Restores ``source`` onto the current mesh, into objects that no hooks own.
 
-    The same restore as :meth:`ShardingHooks.restore_and_reshard`, for objects
-    that no hooks own: the shardings are planned for ``objects`` on ``mesh``,
-    and the restored state is written into them.
+    The same restore as :meth:`ShardingHooks.restore_and_reshard` and :meth:`Trainer.restore_and_reshard`,
+    with the same arguments: the shardings are planned for ``objects`` on ``mesh``, and the restored state
+    is written into them (graph objects updated in place, plain pytrees replaced in the mapping).
 
     Args:
-      checkpointer: a :class:`Checkpointer` or a directory: nnx_shard's, or one
-        written by plain Orbax (``CheckpointManager``, ``ocp.v1.save``).
+      source: where to read (see :func:`nnx_shard.restore_onto`'s sources): a :class:`Checkpointer` or a
+        directory (nnx_shard's, or one written by plain Orbax: ``CheckpointManager``, ``ocp.v1.save``), a
+        safetensors folder, or states already loaded (any mesh, host or numpy) to place.
       objects: the live ``{"model": ..., "optimizer": ..., "ema": ...}``, updated in place.
       strategy: the sharding strategy for the current mesh.
       mesh: the current mesh.
       step: the step to restore (default: the latest).
-      state: a state already loaded (any mesh, host or numpy) to place instead of reading.
-      item: the item of a plain Orbax checkpoint to read (default: the one that fits).
+      options: the keywords below as one :class:`RestoreOptions` (not both).
+      only: restore only these objects (default: all given); the source's others are not read.
+      orbax_item: the item of a plain Orbax checkpoint to read (default: the one that fits).
       ema_as_model: load the checkpoint's EMA parameters into ``objects["model"]``.
       free_live: free the live arrays before reading, to keep the peak low.
       max_host_bytes: bound the host memory the read holds at once.
+      frozen: an nnx filter of model parameters the checkpoint does not hold (they keep their values).
 
-    Only the items given in ``objects`` are read: ``{"model": model}`` restores
-    the model of a checkpoint that also holds an optimizer and an EMA, and
-    reads nothing else. Within an item the structure must match exactly.
+    ``state=`` (a loaded state), ``items=`` and ``item=`` are the old names of ``source``, ``only=`` and
+    ``orbax_item=`` (they warn). Within an object the structure must match exactly.
 
     Returns:
-      What happened, e.g. ``restored step 300, saved on 8 devices (fsdp=8), onto 4
-      devices (fsdp=4)``; None when ``state`` was given.
+      What happened, e.g. ``restored step 300, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)``.
 
     >>> import tempfile
     >>> from nnx_shard import Checkpointer, create_mesh
@@ -102,17 +97,19 @@ def restore_and_reshard(
     >>> print(restore_and_reshard(ckpt, {"model": model}, strategy, half))
     restored step 7, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)
     """
+    where = "restore_and_reshard"
+    unknown = sorted(set(old) - {"state", "checkpointer", "items", "item"})
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
+    source = source_given(where, source, {k: old.pop(k, None) for k in ("checkpointer", "state")})
+    if source is None or objects is None or strategy is None or mesh is None:
+        raise TypeError(f"{where}() needs a source, the objects, a strategy and a mesh.")
+    keywords = {"only": only, "orbax_item": orbax_item, "ema_as_model": ema_as_model, "free_live": free_live}
+    keywords |= {"max_host_bytes": max_host_bytes, "frozen": frozen, **old}
+    opts = restore_options(where, options, keywords)
     plan = plan_sharding(dict(objects), strategy, mesh)
     live = as_state(dict(objects))[0]
-    if state is not None:
-        placed = place_loaded(state, live, plan.shardings)
-        barrier_sync("nnx_shard/on_restore")
-        write_states(objects, placed)
-        return None
-    options = RestoreOptions(
-        item=item, ema_as_model=ema_as_model, free_live=free_live, max_host_bytes=max_host_bytes
-    )
-    restored, report = restore_onto(checkpointer, live, plan.shardings, mesh, step=step, options=options)
+    restored, report = restore_onto(source, live, plan.shardings, mesh, step=step, options=opts)
     barrier_sync("nnx_shard/restore_and_reshard")
     logger.info("%s", report)
     write_states(objects, restored)
@@ -127,10 +124,3 @@ def write_states(objects: Mapping[str, Any], states: Mapping[str, Any]) -> None:
             nnx.update(objects[key], state)
         elif isinstance(objects, MutableMapping):
             objects[key] = state
-
-
-def check_keys(given: Mapping[str, Any], objects: Mapping[str, Any], message: str) -> None:
-    """Raises ``CheckpointError(message)`` (with ``{unknown}`` and ``{objects}``) for keys naming no object."""
-    unknown = sorted(set(given) - set(objects))
-    if unknown:
-        raise CheckpointError(message.format(unknown=unknown, objects=sorted(objects)))

@@ -15,10 +15,9 @@ import ml_collections
 from nnx_shard._base import mesh_processes
 from nnx_shard._checkpoint import (
     Checkpointer,
-    Restored,
+    Snapshots,
     SnapshotWriter,
     default_snapshot_dir,
-    restore_from_snapshots,
     snapshot_folder,
     snapshot_own_bytes,
 )
@@ -27,6 +26,7 @@ from nnx_shard._live import ShardingHooks
 from nnx_shard._trainer import _data
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._observe import Observer
+from nnx_shard.errors import NoCheckpointError
 
 logger = logging.getLogger("nnx_shard")
 
@@ -113,7 +113,7 @@ def _previous_folder(trainer: RecoveryHost) -> Path | None:
     return snapshot_folder(_root(trainer), info.restart - 1, info.previous_id)
 
 
-def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
+def resume_from_snapshots(trainer: RecoveryHost) -> Snapshots | None:
     """On a restart with snapshots on: restores the newest snapshot state newer than every checkpoint.
 
     A collective. Returns what was restored (its ``data_states`` are the
@@ -127,12 +127,11 @@ def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
     steps = trainer.checkpointer.all_steps() if trainer.checkpointer is not None else []
     previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
     # a snapshot of the newest checkpoint's step is preferred: it is read from memory
-    got = restore_from_snapshots(
-        _previous_folder(trainer), previous, trainer.hooks.states(), after=max(steps, default=0) - 1
-    )
-    if got is None:
+    got = Snapshots(_previous_folder(trainer), previous, after=max(steps, default=0) - 1)
+    try:
+        trainer.hooks.restore_and_reshard(got)
+    except NoCheckpointError:  # none complete and verified (every process alike): a checkpoint instead
         return None
-    trainer.hooks.update(got.states)
     trainer.step = got.step
     trainer.lineage.restored_snapshot(got.step)
     seconds = time.perf_counter() - began
@@ -140,7 +139,7 @@ def resume_from_snapshots(trainer: RecoveryHost) -> Restored | None:
     return got
 
 
-def resume_auto(trainer: RecoveryHost) -> Restored | None:
+def resume_auto(trainer: RecoveryHost) -> Snapshots | None:
     """``resume="auto"``: a restart's snapshots when newer than every checkpoint (returned: their
     ``data_states`` are the caller's), else the newest checkpoint that reads and verifies (None)."""
     got = resume_from_snapshots(trainer)

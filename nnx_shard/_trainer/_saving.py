@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -9,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard._checkpoint import Checkpointer, RestoreOptions, storable, tree_fingerprints
+from nnx_shard._live import restore_options
 from nnx_shard._trainer._data import gather_states
 from nnx_shard._trainer._finetune import frozen_filter
 from nnx_shard._trainer._lineage import Lineage
@@ -57,17 +59,26 @@ def frozen_for_restore(checkpointer: Any, step: int | None, items: Any, live_mod
     return frozen_filter(wrt)
 
 
-def restore_options(
-    config: Any, checkpointer: Any, step: int | None, items: Any, live_model: Any, wrt: Any,
-    free_live: bool | None, max_host_bytes: int | None,
-) -> RestoreOptions:  # fmt: skip
-    """A Trainer's restore: the arguments given, else the config's; the frozen base kept when not saved."""
-    return RestoreOptions(
-        items=items,
-        free_live=config.free_live if free_live is None else free_live,
-        max_host_bytes=config.max_host_bytes if max_host_bytes is None else max_host_bytes,
-        frozen=frozen_for_restore(checkpointer, step, items, live_model, wrt),
-    )
+def trainer_options(
+    config: Any,
+    checkpointer: Any,
+    step: int | None,
+    live_model: Any,
+    wrt: Any,
+    options: RestoreOptions | None,
+    keywords: dict[str, Any],
+) -> RestoreOptions:
+    """A Trainer's restore options: ``options=`` or the keywords, ``free_live`` and ``max_host_bytes`` not
+    given taking the config's; reading its own ``checkpointer``, the frozen base kept when not saved."""
+    if options is None:
+        keywords = dict(keywords)
+        for key in ("free_live", "max_host_bytes"):
+            keywords[key] = config[key] if keywords.get(key) is None else keywords[key]
+    opts = restore_options("Trainer.restore_and_reshard", options, keywords)
+    if checkpointer is not None and opts.frozen is None:
+        frozen = frozen_for_restore(checkpointer, step, opts.only, live_model, wrt)
+        opts = dataclasses.replace(opts, frozen=frozen)
+    return opts
 
 
 def save_step(

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
-from nnx_shard._checkpoint import Checkpointer, RestoreReport
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport
 from nnx_shard._cluster import CompileReport, DataShard, data_shard, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
 from nnx_shard._suggest import Suggestion
@@ -28,7 +28,7 @@ from nnx_shard._trainer._norm import global_norm, model_shardings
 from nnx_shard._trainer._observe import Observer, injected_learning_rate
 from nnx_shard._trainer._recovery import resume_auto
 from nnx_shard._trainer._resize_job import Resizing
-from nnx_shard._trainer._saving import restore_options, save_step
+from nnx_shard._trainer._saving import save_step, trainer_options
 from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
 from nnx_shard._trainer._views import LiveObject, RenamedMethod
 from nnx_shard._trainer._watchdog import Watchdog
@@ -289,8 +289,8 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         if self.config.resume == "auto" and not self._resumed and self.checkpointer is not None:
-            self._resumed = True
-            if (got := resume_auto(self)) is not None:  # from snapshots
+            self._resumed, got = True, resume_auto(self)
+            if got is not None:  # from snapshots
                 self._data_states = got.data_states
                 self._steps.reset_counters()
 
@@ -399,8 +399,7 @@ class Trainer:
 
         On abstract state, so the devices may be a TPU pod's (:func:`nnx_shard.tpu_devices`) on a laptop;
         ``batch`` is a global batch of ``jax.ShapeDtypeStruct``. ``fits`` is False when XLA refuses it for
-        memory. An example is in :func:`nnx_shard._trainer._aot.compile_step`.
-        """
+        memory. An example is in :func:`nnx_shard._trainer._aot.compile_step`."""
         return compile_step(self.config, self._create, self.train_step, devices, batch)
 
     def suggest(
@@ -412,9 +411,9 @@ class Trainer:
         machine's): the one whose compiled step sends least is kept. See :func:`nnx_shard._trainer._aot.suggest_layout`.
         """
         devices = list(devices) if devices is not None else jax.devices()
-        create, step = self._create, self.train_step
+        create, step, tokens = self._create, self.train_step, tokens_per_step
         return suggest_layout(
-            self.config, create, step, batch, budget=budget, devices=devices, tokens_per_step=tokens_per_step
+            self.config, create, step, batch, budget=budget, devices=devices, tokens_per_step=tokens
         )
 
     def best_step(self) -> int | None:
@@ -422,27 +421,30 @@ class Trainer:
         return self.checkpointer.best_step() if self.checkpointer is not None else None
 
     def restore_and_reshard(
-        self, step: int | None = None, *, items: Sequence[str] | None = None, free_live: bool | None = None,
-        max_host_bytes: int | None = None,
-    ) -> RestoreReport:  # fmt: skip
-        """Restores ``step`` (default: the latest) onto this Trainer's devices, whatever they were at save time.
+        self,
+        source: Any = None,
+        *,
+        step: int | None = None,
+        options: RestoreOptions | None = None,
+        **keywords: Any,
+    ) -> RestoreReport:
+        """Restores ``step`` (default: the latest) of this Trainer's checkpoints, or ``source``, onto its devices.
 
-        ``items`` restores only those objects and keeps the others as they are: ``items=("model", "ema")`` to
-        fine-tune from a checkpoint with a new optimizer. A checkpoint saved without the frozen base
-        (``save_frozen=False``) goes on top of the live base, which must be the same weights. The data
-        iterator's saved position is set on the next ``train(iterable)``. ``free_live`` and ``max_host_bytes``
-        default to ``config.free_live`` and ``config.max_host_bytes``.
-        """
-        if self.checkpointer is None:
+        The arguments are :meth:`ShardingHooks.restore_and_reshard`'s; ``source`` defaults to the Trainer's own
+        checkpoints (an int there is the step), ``free_live`` and ``max_host_bytes`` to the config's. A
+        checkpoint saved without the frozen base (``save_frozen=False``) goes on top of the live base, which must
+        be the same weights. The saved data position is set on the next ``train(iterable)``."""
+        source, step = (None, source) if isinstance(source, int) else (source, step)
+        if source is None and self.checkpointer is None:
             raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
         self.init()
-        start = time.perf_counter()
-        model, ckpt = self.states["model"], self.checkpointer
-        options = restore_options(self.config, ckpt, step, items, model, self._wrt, free_live, max_host_bytes)
-        report = self.hooks.restore_and_reshard(self.checkpointer, step=step, options=options)
-        self.step = report.step
-        self.lineage.restored(report.step)
+        start, own = time.perf_counter(), source is None
+        ckpt = self.checkpointer if own else None
+        opts = trainer_options(self.config, ckpt, step, self.states["model"], self._wrt, options, keywords)
+        report = self.hooks.restore_and_reshard(ckpt if own else source, step=step, options=opts)
+        if own:
+            self.step, self._data_states, self._resumed = report.step, report.saved.get("data_state"), True
+            self.lineage.restored(report.step)
         self._steps.reset_counters()
-        self._data_states, self._resumed = report.saved.get("data_state"), True
         self.observer.event("restore", time.perf_counter() - start, self.step, report=str(report))
         return report

@@ -96,14 +96,14 @@ def test_options_given_with_another_restore_argument_raise_instead_of_dropping_i
     hooks.on_init(create)
     with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
         hooks.save(ckpt, 1)
-        options = ns.RestoreOptions(items=["model"])
+        options = ns.RestoreOptions(only=["model"])
         with pytest.raises(
             ns.ConflictingArgumentsError, match=r"options= was given together with free_live=True"
         ):
             hooks.restore_and_reshard(ckpt, options=options, free_live=True)
         assert issubclass(ns.ConflictingArgumentsError, TypeError)
         report = hooks.restore_and_reshard(ckpt, options=options)  # options alone: read as given
-        assert report.items == ("model",)
+        assert report.only == ("model",)
 
 
 def test_restore_and_reshard_builds_no_owner_and_restore_onto_is_a_function_over_states(
@@ -131,9 +131,9 @@ def test_restore_and_reshard_builds_no_owner_and_restore_onto_is_a_function_over
     shardings = ns.infer_sharding(other, STRATEGY, mesh(2))
     before = np.asarray(other["model"].kernel.get_value())
     restored, report = restore_onto(
-        str(tmp_path), states, shardings, mesh(2), options=ns.RestoreOptions(items=["model"])
+        str(tmp_path), states, shardings, mesh(2), options=ns.RestoreOptions(only=["model"])
     )
-    assert sorted(restored) == ["model"] and report.items == ("model",)
+    assert sorted(restored) == ["model"] and report.only == ("model",)
     assert dict(restored["model"]["kernel"].get_value().sharding.mesh.shape) == {"fsdp": 2}
     np.testing.assert_array_equal(np.asarray(restored["model"]["kernel"].get_value()), saved)
     np.testing.assert_array_equal(np.asarray(other["model"].kernel.get_value()), before)  # nothing written

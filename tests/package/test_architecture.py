@@ -34,6 +34,7 @@ LAYERS = {
     "_trainer": 6,
     "cli": 7,
     "__main__": 7,
+    "sources": 6,  # the public face of the restore's sources (nnx_shard.sources)
     "compat": 8,  # the seeds' API, on top of the core and never imported by it
     "__init__": 9,  # the root re-exports everything, the seeds' API included
 }

@@ -88,10 +88,10 @@ def test_one_restore_options_object_and_one_spelling_of_no_limit(tmp_path, monke
         return original(checkpointer, states, shardings, mesh, step=step, options=options)
 
     monkeypatch.setattr(_hooks, "restore_onto", spy)
-    trainer.restore_and_reshard(items=["model"], max_host_bytes=64 * 2**20)
+    trainer.restore_and_reshard(only=["model"], max_host_bytes=64 * 2**20)
     trainer.restore_and_reshard()
-    assert seen[0].items == ("model",) and seen[0].max_host_bytes == 64 * 2**20
-    assert seen[1].items is None and seen[1].max_host_bytes is None  # config 0: no limit, spelled None
+    assert seen[0].only == ("model",) and seen[0].max_host_bytes == 64 * 2**20
+    assert seen[1].only is None and seen[1].max_host_bytes is None  # config 0: no limit, spelled None
 
 
 def test_logical_to_mesh_is_flaxs_own_rule_semantics():

@@ -322,15 +322,15 @@ def test_plain_orbax_item_by_name_and_what_fits_nothing(tmp_path):
     path = write("composite", tmp_path, saved)
     mesh = ns.create_mesh((8,), ("fsdp",))
     model = MLP(nnx.Rngs(1), width=32)
-    ns.restore_and_reshard(path, {"model": model}, FSDP, mesh, item="model")
+    ns.restore_and_reshard(path, {"model": model}, FSDP, mesh, orbax_item="model")
     np.testing.assert_array_equal(
         np.asarray(model.l1.kernel.get_value()), np.asarray(saved["model"].l1.kernel.get_value())
     )
     live = np.asarray(model.l1.kernel.get_value())
     with pytest.raises(ns.CheckpointMismatchError, match=r"item 'optimizer'.*not in the checkpoint"):
-        ns.restore_and_reshard(path, {"model": model}, FSDP, mesh, item="optimizer")
+        ns.restore_and_reshard(path, {"model": model}, FSDP, mesh, orbax_item="optimizer")
     with pytest.raises(ns.CheckpointFormatError, match=r"no item 'params'.*\['model', 'optimizer'\].*item="):
-        ns.restore_and_reshard(path, {"model": model}, FSDP, mesh, item="params")
+        ns.restore_and_reshard(path, {"model": model}, FSDP, mesh, orbax_item="params")
     with pytest.raises(ns.CheckpointFormatError, match=r"no item of .* fits 'model'.*want"):
         ns.restore_and_reshard(path, {"model": MLP(nnx.Rngs(1), width=16)}, FSDP, mesh)
     one = write("standard", tmp_path, saved)
@@ -353,11 +353,11 @@ def test_plain_orbax_item_by_name_and_what_fits_nothing(tmp_path):
     with pytest.raises(ns.CheckpointFormatError, match=r"found \['default'\].*Orbax PyTree item"):
         ns.restore_and_reshard(str(junk), {"model": model}, FSDP, mesh, step=7)
     with pytest.raises(ns.NoCheckpointError, match="does not exist"):
-        ns.restore_and_reshard(str(tmp_path / "none"), {"model": model}, FSDP, mesh, item="model")
+        ns.restore_and_reshard(str(tmp_path / "none"), {"model": model}, FSDP, mesh, orbax_item="model")
     with ns.Checkpointer(tmp_path / "ours", async_save=False) as ours:
         ours.save(1, {"model": nnx.state(model)}, mesh=mesh)
-    with pytest.raises(ns.CheckpointFormatError, match="item='model' names an item of a plain Orbax"):
-        ns.restore_and_reshard(str(tmp_path / "ours"), {"model": model}, FSDP, mesh, item="model")
+    with pytest.raises(ns.CheckpointFormatError, match="orbax_item='model' names an item of a plain Orbax"):
+        ns.restore_and_reshard(str(tmp_path / "ours"), {"model": model}, FSDP, mesh, orbax_item="model")
 
 
 def test_plain_orbax_checkpoint_with_damaged_data_is_named_corrupt(tmp_path):

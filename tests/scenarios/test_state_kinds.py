@@ -211,7 +211,7 @@ def test_trainer_restores_named_items_and_keeps_the_others(dropout_run):
     trainer = DropoutTrainer({**config(dropout_run["workdir"]), "save_at_end": False})
     trainer.init()
     optimizer_before = digest_of(trainer.states["optimizer"])
-    report = trainer.restore_and_reshard(12, items=("model", "ema"))
+    report = trainer.restore_and_reshard(12, only=("model", "ema"))
     assert str(report).startswith("restored step 12 (ema, model only)")
     assert digest_of(trainer.states["optimizer"]) == optimizer_before  # a new optimizer for fine-tuning
     np.testing.assert_array_equal(

@@ -264,8 +264,8 @@ def test_restore_and_reshard_from_a_state_loaded_by_hand(reference):
     host = jax.tree.map(np.asarray, loaded)  # and maybe brought it to the host
     mesh2 = ns.create_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
     fresh = RegressionTrainer(config(reference["workdir"]))._create()  # unsharded, on the default device
-    out = ns.restore_and_reshard(None, fresh, reference["trainer"].hooks.strategy, mesh2, state=host)
-    assert out is None
+    out = ns.restore_and_reshard(host, fresh, reference["trainer"].hooks.strategy, mesh2)
+    assert str(out) == "restored the loaded state onto 2 devices (fsdp=2)"
     kernel = fresh["model"].l2.kernel.get_value()
     assert dict(kernel.sharding.mesh.shape) == {"fsdp": 2}
     np.testing.assert_array_equal(

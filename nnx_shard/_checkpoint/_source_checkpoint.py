@@ -1,0 +1,64 @@
+"""nnx_shard's own checkpoints as a restore's source: a :class:`Checkpointer`, or a directory in its layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from etils import epath
+
+from nnx_shard._checkpoint._checkpointer import Checkpointer
+from nnx_shard._checkpoint._plain import has_steps, is_nnx_shard
+from nnx_shard._checkpoint._restore_options import RestoreOptions
+from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard.errors import CheckpointFormatError
+
+
+class CheckpointSource:
+    """Reads a step of an nnx_shard checkpoint, its structure and files checked before anything is freed."""
+
+    collective = True
+    note = ""
+
+    def __init__(self, checkpointer: Checkpointer | str | os.PathLike[str]):
+        self.checkpointer = (
+            checkpointer if isinstance(checkpointer, Checkpointer) else Checkpointer(checkpointer)
+        )
+        self.step: int | None = None
+
+    def objects(self, live: list[str]) -> list[str]:
+        return live
+
+    def prepare(self, request: ReadRequest) -> None:
+        expected = request.expected
+        self.step = self.checkpointer.validate(request.step, expected, items=sorted(expected))
+        if request.options.free_live:
+            self.checkpointer.metadata(self.step)  # readable, before anything live is freed
+
+    def read(self, request: ReadRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.checkpointer.read(
+            self.step, request.target, partial=True, max_host_bytes=request.options.max_host_bytes
+        )
+
+    def describe(self) -> str | None:
+        return None
+
+    def complete(self, restored: list[str]) -> bool:
+        return sorted(restored) == self.checkpointer.items(self.step)
+
+
+def _matches(obj: Any) -> bool:
+    return isinstance(obj, Checkpointer) or (isinstance(obj, (str, os.PathLike)) and is_nnx_shard(obj))
+
+
+def _make(obj: Any, options: RestoreOptions) -> CheckpointSource:
+    directory = obj.directory if isinstance(obj, Checkpointer) else obj
+    if options.orbax_item is not None and epath.Path(directory).exists() and has_steps(directory):
+        raise CheckpointFormatError(
+            f"orbax_item={options.orbax_item!r} names an item of a plain Orbax checkpoint; {obj} is nnx_shard's "
+            f"own, whose objects are chosen with only=[...]."
+        )
+    return CheckpointSource(obj)
+
+
+register_source("nnx_shard checkpoint", _matches, _make)

@@ -1,0 +1,59 @@
+"""A job's in-memory snapshots as a restore's source: the newest complete one after a checkpoint's step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nnx_shard._checkpoint._restore_options import RestoreOptions
+from nnx_shard._checkpoint._snapshot_read import restore_from_snapshots
+from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard.errors import CheckpointFormatError, NoCheckpointError
+
+
+class Snapshots:
+    """The snapshots a previous run of ``previous`` processes left in this process's ``folder`` (None for a
+    process new to the job), newer than step ``after``. A collective: every process reads with its own
+    folder. When none is complete and verified, :meth:`prepare` raises :class:`NoCheckpointError` (every
+    process alike), and the caller restores a checkpoint instead.
+
+    After the read, ``data_states`` holds each old process's data position.
+    """
+
+    collective = True
+    note = ""
+
+    def __init__(self, folder: Path | None, previous: int, *, after: int):
+        self.folder, self.previous, self.after = folder, previous, after
+        self.step: int | None = None
+        self.data_states: list[Any] = []
+        self._got: Any = None
+
+    def objects(self, live: list[str]) -> list[str]:
+        return live
+
+    def prepare(self, request: ReadRequest) -> None:
+        if request.options.ema_as_model or request.options.frozen is not None:
+            raise CheckpointFormatError(
+                "a snapshot holds the whole live state: restore it without ema_as_model= or frozen=."
+            )
+        self._got = restore_from_snapshots(self.folder, self.previous, request.live, after=self.after)
+        if self._got is None:
+            raise NoCheckpointError(f"no complete, verified snapshot newer than step {self.after}.")
+        self.step, self.data_states = self._got.step, self._got.data_states
+
+    def read(self, request: ReadRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {k: self._got.states[k] for k in request.target}, {}
+
+    def describe(self) -> str | None:
+        return f"the in-memory snapshots of {self.previous} process{'es' if self.previous != 1 else ''}"
+
+    def complete(self, restored: list[str]) -> bool:
+        return True
+
+
+def _make(obj: Snapshots, options: RestoreOptions) -> Snapshots:
+    return obj
+
+
+register_source("snapshots", lambda obj: isinstance(obj, Snapshots), _make)
