@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml $(OLDEST)
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
-	$(VENV)/bin/ruff format --check nnx_shard tests examples benchmarks
+	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks docs/_ext docs/conf.py
+	$(VENV)/bin/ruff format --check nnx_shard tests examples benchmarks docs/_ext docs/conf.py
 
 test: $(STAMP)
 	@$(PY) -c "$(STACK)" | sed 's|^|make test (the oldest supported stack, $(OLDEST)): |'
-	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks
+	$(VENV)/bin/ruff check nnx_shard tests examples benchmarks docs/_ext docs/conf.py
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # The quick loop while editing: everything but the tests marked slow (processes, long training, compiles).

@@ -65,19 +65,47 @@ PART_TIMEOUT_S = 300
 QUICK = (
     "step,create_sharded,device_put,save,restore_nnx_shard,restore_orbax,init_bits,vit_init,vit_init_inlined"
 )
-INLINED_CAP_S = 60  # the inlined threefry's compile, enough to show it; the whole run stays within 8 minutes  # the example and bench_vit have their own tests
+# the inlined threefry's compile, enough to show it; the whole run stays within 8 minutes  # the example and
+# bench_vit have their own tests
+INLINED_CAP_S = 60
 REPORTED = ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes", "state_bytes", "batch_bytes")
 STRATEGY = [(".*bias", "replicate"), (".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
 
 
 def sizes(smoke: bool) -> dict[str, object]:
     if smoke:
-        return dict(vit_config="tiny", vit_batch=16, vit_steps=3, vit_rounds=2, width=64, depth=2, rows=16,
-                    steps=3, rounds=2, layers=2, stack_width=256, example_steps=4, snapshot_steps=20,
-                    snapshot_rounds=2)  # fmt: skip
-    return dict(vit_config="b16", vit_batch=128, vit_steps=10, vit_rounds=5, width=4096, depth=8, rows=1024,
-                steps=20, rounds=5, layers=8, stack_width=4096, example_steps=20, snapshot_steps=100,
-                snapshot_rounds=3)  # fmt: skip
+        return dict(
+            vit_config="tiny",
+            vit_batch=16,
+            vit_steps=3,
+            vit_rounds=2,
+            width=64,
+            depth=2,
+            rows=16,
+            steps=3,
+            rounds=2,
+            layers=2,
+            stack_width=256,
+            example_steps=4,
+            snapshot_steps=20,
+            snapshot_rounds=2,
+        )
+    return dict(
+        vit_config="b16",
+        vit_batch=128,
+        vit_steps=10,
+        vit_rounds=5,
+        width=4096,
+        depth=8,
+        rows=1024,
+        steps=20,
+        rounds=5,
+        layers=8,
+        stack_width=4096,
+        example_steps=20,
+        snapshot_steps=100,
+        snapshot_rounds=3,
+    )
 
 
 def fingerprint(x) -> int:
@@ -108,8 +136,20 @@ def part_example(s: dict, work: Path) -> dict:
     out = {}
     for name, extra in (("train", []), ("resume", ["--resume"])):
         steps = s["example_steps"] * (1 if name == "train" else 2)
-        cmd = [sys.executable, str(ROOT / "examples" / "vit" / "train.py"), "--config", config, "--real-devices",
-               "--workdir", str(work / "vit"), "--steps", str(steps), "--progress", "off", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(ROOT / "examples" / "vit" / "train.py"),
+            "--config",
+            config,
+            "--real-devices",
+            "--workdir",
+            str(work / "vit"),
+            "--steps",
+            str(steps),
+            "--progress",
+            "off",
+            *extra,
+        ]
         t = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         seconds = time.perf_counter() - t
@@ -132,9 +172,21 @@ def part_example(s: dict, work: Path) -> dict:
 
 def part_vit(s: dict, work: Path) -> dict:
     out = work / "vit.json"
-    cmd = [sys.executable, str(HERE / "bench_vit.py"), "--real-devices", "--config", s["vit_config"],
-           "--batch", str(s["vit_batch"]), "--steps", str(s["vit_steps"]), "--rounds", str(s["vit_rounds"]),
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE / "bench_vit.py"),
+        "--real-devices",
+        "--config",
+        s["vit_config"],
+        "--batch",
+        str(s["vit_batch"]),
+        "--steps",
+        str(s["vit_steps"]),
+        "--rounds",
+        str(s["vit_rounds"]),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, env=os.environ.copy())
     if done.returncode:
         raise RuntimeError(f"bench_vit failed:\n{done.stderr[-3000:]}")
@@ -222,9 +274,11 @@ def part_create(s: dict, work: Path, variant: str) -> dict:
     result: dict[str, object] = {"seconds": round(time.perf_counter() - t, 3)}
     if memory is not None:  # the peak XLA expects: arguments + outputs - donated aliases + temporaries
         result["compile_peak_bytes"] = (
-            memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
             + memory.temp_size_in_bytes
-        )  # fmt: skip
+        )
     result["state_bytes"] = plan.total_bytes
     result["state_bytes_per_device"] = plan.bytes_per_device
     result["memory_stats"] = allocator()
@@ -285,8 +339,14 @@ def part_restore(s: dict, work: Path, variant: str) -> dict:
         kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
         value = fingerprint(kernel)
         del states, kernel
-    return {"seconds": round(times[0], 3), "seconds_warm": round(min(times[1:]), 3), "seconds_all": [round(t, 3) for t in times],
-            "memory_stats": allocator(), "fingerprint": value, "report": report}  # fmt: skip
+    return {
+        "seconds": round(times[0], 3),
+        "seconds_warm": round(min(times[1:]), 3),
+        "seconds_all": [round(t, 3) for t in times],
+        "memory_stats": allocator(),
+        "fingerprint": value,
+        "report": report,
+    }
 
 
 def part_saves(s: dict, work: Path) -> dict:
@@ -347,7 +407,8 @@ def part_saves(s: dict, work: Path) -> dict:
 
 
 def part_snapshots(s: dict, work: Path) -> dict:
-    """The step's Trainer with snapshot_every 0, 10 and 100, alternating rounds; where one snapshot's time goes."""
+    """The step's Trainer with snapshot_every 0, 10 and 100, alternating rounds; where one snapshot's time
+    goes."""
     import statistics
 
     import jax
@@ -358,9 +419,14 @@ def part_snapshots(s: dict, work: Path) -> dict:
     built = {}
     for every in (0, 10, 100):
         trainer, batch = quiet_trainer(
-            s["width"], s["depth"], s["rows"], mesh=f"fsdp:{n}", workdir=str(work / f"snap{every}"),
-            snapshot_every=every, snapshot_dir=tempfile.mkdtemp(prefix="bench_gpu_", dir=shm),
-        )  # fmt: skip
+            s["width"],
+            s["depth"],
+            s["rows"],
+            mesh=f"fsdp:{n}",
+            workdir=str(work / f"snap{every}"),
+            snapshot_every=every,
+            snapshot_dir=tempfile.mkdtemp(prefix="bench_gpu_", dir=shm),
+        )
         trainer.train(lambda step, b=batch: b, steps=1)
         built[every] = (trainer, batch)
     times = {every: [] for every in built}
@@ -375,8 +441,13 @@ def part_snapshots(s: dict, work: Path) -> dict:
     for every in (10, 100):
         ratios = [t / t0 for t, t0 in zip(times[every], times[0], strict=True)]
         taken, skipped = snapshot_events(built[every][0])
-        out[f"every_{every}"] = {"ratio": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
-                                 "step_ms": round(1e3 * statistics.median(times[every]), 3), "taken": taken, "skipped": skipped}  # fmt: skip
+        out[f"every_{every}"] = {
+            "ratio": round(statistics.median(ratios), 4),
+            "ratios": [round(r, 4) for r in ratios],
+            "step_ms": round(1e3 * statistics.median(times[every]), 3),
+            "taken": taken,
+            "skipped": skipped,
+        }
     out["step_ms_no_snapshot"] = round(1e3 * statistics.median(times[0]), 3)
     on_path, background = where_the_time_goes(built[0][0].hooks.states())
     out.update(
@@ -421,7 +492,8 @@ def part_vit_init(s: dict, work: Path, variant: str) -> dict:
 
 
 def part_init_bits(s: dict, work: Path) -> dict:
-    """A tiny ViT's init as shipped and with JAX's default lowering: every leaf's bits, and the user's flag."""
+    """A tiny ViT's init as shipped and with JAX's default lowering: every leaf's bits, and the user's
+    flag."""
     import jax
 
     from nnx_shard import flatten_state

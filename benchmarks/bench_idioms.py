@@ -1,4 +1,5 @@
-"""The newest idioms' costs: a Trainer step on an Explicit mesh, and a plain Orbax checkpoint restored by nnx_shard.
+"""The newest idioms' costs: a Trainer step on an Explicit mesh, and a plain Orbax checkpoint restored by
+nnx_shard.
 
 Questions:
 

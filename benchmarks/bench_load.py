@@ -245,7 +245,8 @@ def main() -> None:
         "whole": whole,
         "place_gb_per_s": results["place"]["gb_per_s"],
         "stream_rate_over_read_rate": round(stream["gb_per_s"] / results["read"]["gb_per_s"], 3),
-        # reading then placing, one after the other, at their own rates: what a loader without overlap can reach
+        # reading then placing, one after the other, at their own rates: what a loader without overlap can
+        # reach
         "stream_rate_over_read_then_place": round(
             stream["gb_per_s"] * (1 / results["read"]["gb_per_s"] + 1 / results["place"]["gb_per_s"]), 3
         ),

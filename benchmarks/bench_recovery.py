@@ -1,4 +1,5 @@
-"""A process killed with SIGKILL mid-run: how many steps are lost and how long until the survivors train again.
+"""A process killed with SIGKILL mid-run: how many steps are lost and how long until the survivors train
+again.
 
 Question: with ``nnx-shard launch`` and ``resume="auto"``, what does losing one of two
 processes (4 simulated devices each) cost? The job (tests/apps/launch_app.py: an MLP, adamw + EMA,

@@ -63,7 +63,8 @@ def memcpy_gbps(nbytes: int = 512 * 2**20) -> float:
 
 
 def deep_state_factory(layers: int):
-    """A deep model's state, many small leaves: ``layers`` blocks of four 64x64 or 64-wide arrays, + adamw + EMA."""
+    """A deep model's state, many small leaves: ``layers`` blocks of four 64x64 or 64-wide arrays, + adamw +
+    EMA."""
     import optax
     from flax import nnx
 

@@ -1,18 +1,16 @@
 """Resize a live state from 8 devices to 4 and back, in one process: nnx_shard vs what a user would do.
 
-Question: what does ``ShardingHooks.on_mesh_change`` (what ``Trainer.resize`` calls) cost
-against the two ways a user would otherwise change the device count of a running job:
-(a) a synchronous save to local disk, then ``restore_and_reshard`` onto the new mesh (the
-live state freed before the read), and (b) ``jax.device_put`` of every leaf to the shardings
-inferred for the new mesh (donated). State: model + adamw + EMA, 8 layers of 3072x3072 with
-bias (1.125 GiB), fsdp=8 -> fsdp=4 on devices[:4] -> fsdp=8. Each variant runs in a fresh
-subprocess (peak RSS only grows) and reports, for a first (cold) round trip and warm ones
-(the median of the next three): wall time, process peak RSS growth, live bytes on the fullest device after each move
-against the plan (and, for nnx_shard, after every step of a third, untimed round trip),
-and a bitwise check: after the round trip, every leaf is compared with ``jnp.array_equal``
-against the same state created again from the same seed, and every sharding against the
-one inferred for 8 devices. nnx_shard runs under transfer guards that forbid any host
-transfer, explicit ones included.
+Question: what does ``ShardingHooks.on_mesh_change`` (what ``Trainer.resize`` calls) cost against the two ways
+a user would otherwise change the device count of a running job: (a) a synchronous save to local disk, then
+``restore_and_reshard`` onto the new mesh (the live state freed before the read), and (b) ``jax.device_put``
+of every leaf to the shardings inferred for the new mesh (donated). State: model + adamw + EMA, 8 layers of
+3072x3072 with bias (1.125 GiB), fsdp=8 -> fsdp=4 on devices[:4] -> fsdp=8. Each variant runs in a fresh
+subprocess (peak RSS only grows) and reports, for a first (cold) round trip and warm ones (the median of the
+next three): wall time, process peak RSS growth, live bytes on the fullest device after each move against the
+plan (and, for nnx_shard, after every step of a third, untimed round trip), and a bitwise check: after the
+round trip, every leaf is compared with ``jnp.array_equal`` against the same state created again from the same
+seed, and every sharding against the one inferred for 8 devices. nnx_shard runs under transfer guards that
+forbid any host transfer, explicit ones included.
 
     python benchmarks/bench_resize.py [--smoke]
 """

@@ -82,12 +82,17 @@ def compare(
         "budget": format_bytes(budget),
         "budget_bytes": budget,
         "hand_layouts": hand,
-        "suggestion": {"layout": suggestion.layout, "rules": suggestion.rules, "sent_bytes": ours,
-                       "state_bytes": suggestion.state_bytes, "seconds_with_compiles": round(seconds, 1)},
+        "suggestion": {
+            "layout": suggestion.layout,
+            "rules": suggestion.rules,
+            "sent_bytes": ours,
+            "state_bytes": suggestion.state_bytes,
+            "seconds_with_compiles": round(seconds, 1),
+        },
         "best_fitting_hand_layout": best[0],
         "sent_ratio_to_best_hand": round(ours / max(best[1]["sent_bytes"], 1), 3),
         "goal": "sent_ratio_to_best_hand <= 1.05",
-    }  # fmt: skip
+    }
 
 
 def vit(devices, smoke: bool) -> dict:

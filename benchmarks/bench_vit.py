@@ -3,8 +3,8 @@
 Both loops train the example's ViT (examples/vit) with the same strategy, mesh, optimizer,
 EMA and pre-placed global batch, in alternating rounds in one process.
 
-    python benchmarks/bench_vit.py                          # tiny ViT on 8x8 digits-sized images, 8 CPU devices
-    python benchmarks/bench_vit.py --config s16 --batch 32  # ViT-S/16 on 224x224 synthetic images
+    python benchmarks/bench_vit.py                          # tiny ViT on 8x8 digits-sized images, 8 CPU
+    devices python benchmarks/bench_vit.py --config s16 --batch 32  # ViT-S/16 on 224x224 synthetic images
     python benchmarks/bench_vit.py --real-devices --config b16 --batch 256   # on a GPU
 """
 

@@ -59,13 +59,16 @@ def main() -> None:
     for line, n in sorted(by_kind.items()):
         print(f"  {n:3d}  {line}")
     section = (
-        f"\n## make chaos ({datetime.date.today()}, {platform.machine()}, {args.trials} trials, seed {args.seed})\n\n"
-        "| trials | of them lost processes | recovered | recovery rate | named errors | wrong values | unnamed errors "
+        f"\n## make chaos ({datetime.date.today()}, {platform.machine()}, {args.trials} trials, seed "
+        f"{args.seed})\n\n"
+        "| trials | of them lost processes | recovered | recovery rate | named errors | wrong values | "
+        "unnamed errors "
         "| hangs | median death to first step | seconds |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
         f"| {counts['trials']} | {counts.get('lost_processes', 0)} | {counts['recovered_bitwise']} "
         f"| {counts['recovery_rate']:.0%} | {counts['named_errors']} | {counts['wrong_values']} "
-        f"| {counts['unnamed_errors']} | {counts['hangs']} | {counts.get('median_death_to_first_step_s', '-')} s "
+        f"| {counts['unnamed_errors']} | {counts['hangs']} | "
+        f"{counts.get('median_death_to_first_step_s', '-')} s "
         f"| {counts['seconds']} |\n\n"
         "The anchor: MaxText's overnight test of Orbax's Pathways snapshotter recovered 73-74% of 100 "
         "injected faults. Every trial whose every saved step was damaged must end in a named error, not a "

@@ -142,7 +142,8 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
 
 
 def time_steps(step, states, batch, steps: int):
-    """``steps`` calls of a jitted ``step(states, batch) -> (states, metrics)``: ``(states, seconds per step)``."""
+    """``steps`` calls of a jitted ``step(states, batch) -> (states, metrics)``: ``(states, seconds per
+    step)``."""
     import time
 
     import jax

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # every page runs on a laptop CPU with 8 simulated devices
 
@@ -42,7 +42,13 @@ nb_execution_raise_on_error = True
 nb_execution_timeout = 600
 nb_execution_in_temp = True  # files a cell writes (plan.png) land in a temporary folder, not in docs/
 nb_merge_streams = True
-exclude_patterns = ["_build", "_inventories", "_generated/tactics.md", "_generated/config.md", "_generated/figures_*.md"]
+exclude_patterns = [
+    "_build",
+    "_inventories",
+    "_generated/tactics.md",
+    "_generated/config.md",
+    "_generated/figures_*.md",
+]
 autosummary_generate = True
 autodoc_typehints = "description"  # type hints shown with each parameter
 # ...with the parameters the docstring documents only: a dataclass's fields are its Attributes, listed once.

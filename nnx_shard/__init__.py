@@ -14,7 +14,9 @@ their new home.
 # _base's face checks the jax/flax pair first: a pair that cannot import is named before flax is imported
 from nnx_shard import errors, key_maps, sources
 from nnx_shard._base import (
+    Kind,
     Leaf,
+    TrainingState,
     calculate_host_mesh_shape,
     clear_caches,
     create_mesh,
@@ -89,6 +91,7 @@ __all__ = [
     "CompileReport",
     "DataShard",
     "LaunchInfo",
+    "Kind",
     "Leaf",
     "LeafPlacement",
     "LeafReshard",
@@ -103,6 +106,7 @@ __all__ = [
     "Tactic",
     "Suggestion",
     "Trainer",
+    "TrainingState",
     "__version__",
     "abstract_target",
     "annotated",

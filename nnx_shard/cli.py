@@ -1,4 +1,5 @@
-"""The ``nnx-shard`` command line: ``plan`` prints a sharding plan from abstract shapes, ``suggest`` writes the rules."""
+"""The ``nnx-shard`` command line: ``plan`` prints a sharding plan from abstract shapes, ``suggest`` writes
+the rules."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def _state_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--optimizer",
         default=None,
-        help="adamw, adam, sgd, none, or package.module:factory returning your optax transform (default adamw)",
+        help="adamw, adam, sgd, none, or package.module:factory returning your optax transform "
+        "(default adamw)",
     )
     parser.add_argument(
         "--ema", type=float, default=None, help="EMA decay; 0 to leave the EMA out (default 0.999)"
@@ -272,7 +274,8 @@ def run_compile(args: argparse.Namespace) -> int:
 
 
 def _print_suggestion(args: argparse.Namespace, objects: Any, mesh: Any) -> int:
-    """``nnx-shard suggest``: the rules ready to paste, then the plan's summary (and its picture with --png)."""
+    """``nnx-shard suggest``: the rules ready to paste, then the plan's summary (and its picture with
+    --png)."""
     from nnx_shard._suggest import suggest
 
     suggestion = suggest(objects, mesh, args.budget, tokens_per_step=args.tokens_per_step)
@@ -283,13 +286,15 @@ def _print_suggestion(args: argparse.Namespace, objects: Any, mesh: Any) -> int:
 
 
 def _plan_inputs(args: argparse.Namespace, *, strategy_needed: bool = True) -> dict[str, Any]:
-    """The plan's inputs: the flags, falling back to ``--config``; CLIError for what is missing or malformed."""
+    """The plan's inputs: the flags, falling back to ``--config``; CLIError for what is missing or
+    malformed."""
     cfg = _load_config(args.config)
     strategy = _json_arg(getattr(args, "strategy", None), "strategy")
     kwargs = _json_arg(args.model_kwargs, "model-kwargs") or cfg.get("model_kwargs", {})
     if not isinstance(kwargs, dict):
         raise CLIError(
-            f'--model-kwargs is a JSON object of keyword arguments, e.g. \'{{"size": "tiny"}}\'; got {kwargs!r}.'
+            '--model-kwargs is a JSON object of keyword arguments, e.g. \'{{"size": "tiny"}}\'; got '
+            f"{kwargs!r}."
         )
     inputs = {
         "model": args.model or cfg.get("model"),
@@ -325,7 +330,8 @@ def _builder(spec: str, kwargs: dict[str, Any], optimizer: str, ema: float) -> A
     unknown = [k for k in kwargs if k not in parameters and not open_kwargs]
     if unknown:
         raise CLIError(
-            f"--model-kwargs {unknown} are not parameters of {spec}; it takes {sorted(p for p in parameters if p != 'rngs')}."
+            f"--model-kwargs {unknown} are not parameters of {spec}; it takes "
+            f"{sorted(p for p in parameters if p != 'rngs')}."
         )
     tx = _optimizer(optimizer)
 
@@ -370,7 +376,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if isinstance(e, NnxShardError):
             raise
         raise CLIError(
-            f"building {inputs['model']} with --model-kwargs {inputs['kwargs']} failed: {type(e).__name__}: {e}"
+            f"building {inputs['model']} with --model-kwargs {inputs['kwargs']} failed: {type(e).__name__}: "
+            f"{e}"
         ) from None
     timings["abstract state (nnx.eval_shape)"] = time.perf_counter() - t
     if args.command == "suggest":

@@ -29,7 +29,8 @@ class UnusedRuleWarning(NnxShardWarning):
 
 
 class CheckpointWarning(NnxShardWarning):
-    """A checkpoint not written, or set aside: a skipped save, a step that failed to verify, an abandoned branch."""
+    """A checkpoint not written, or set aside: a skipped save, a step that failed to verify, an abandoned
+    branch."""
 
 
 class DataPositionWarning(NnxShardWarning):
@@ -150,7 +151,8 @@ class CheckpointMismatchError(CheckpointError):
 
 
 class CheckpointFormatError(CheckpointError):
-    """A directory whose checkpoint is not one nnx_shard can read, or not one that fits the objects restored into."""
+    """A directory whose checkpoint is not one nnx_shard can read, or not one that fits the objects restored
+    into."""
 
 
 class CheckpointCorruptError(CheckpointError):

@@ -18,7 +18,8 @@ it by name (:class:`~nnx_shard.errors.UnsupportedConfigError`).
 >>> ns.key_maps.for_architecture("LlamaForCausalLM") is ns.key_maps.LLAMA3
 True
 >>> sorted(ns.key_maps.ARCHITECTURES)
-['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'GemmaForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM']
+['Gemma2ForCausalLM', 'Gemma3ForCausalLM', 'GemmaForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM',
+'Qwen2ForCausalLM', 'Qwen3ForCausalLM']
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ _GEMMA_COMMON: list[Rule] = [
 
 def _gemma_attention(hf: dict[str, Any]) -> list[Rule]:
     """q/k/v of ``(heads * head_dim, embed)`` into tunix's ``(heads, embed, head_dim)`` einsums: one fused
-    ``qkv_einsum`` when there are as many kv heads as query heads, else ``q_einsum`` and a stacked ``kv_einsum``."""
+    ``qkv_einsum`` when there are as many kv heads as query heads, else ``q_einsum`` and a stacked
+    ``kv_einsum``."""
     n, k = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     h, d = head_dim(hf), hf["hidden_size"]
     heads = lambda count: f"reshape({count}, {h}, {d}) | transpose(0, 2, 1)"
@@ -95,8 +97,8 @@ def gemma(hf: dict[str, Any]) -> list[Rule]:
 
 
 def gemma2(hf: dict[str, Any]) -> list[Rule]:
-    """Hugging Face ``Gemma2ForCausalLM`` -> ``tunix.models.gemma.model.Gemma`` with post-attention and post-FFW
-    norms (its ``config.json`` as a dict)."""
+    """Hugging Face ``Gemma2ForCausalLM`` -> ``tunix.models.gemma.model.Gemma`` with post-attention and
+    post-FFW norms (its ``config.json`` as a dict)."""
     norms = {"post_attention": "post_attn", "pre_feedforward": "pre_ffw", "post_feedforward": "post_ffw"}
     return [
         *_GEMMA_COMMON,
@@ -109,8 +111,8 @@ def gemma2(hf: dict[str, Any]) -> list[Rule]:
 
 
 def gemma3(hf: dict[str, Any]) -> list[Rule]:
-    """Hugging Face ``Gemma3ForCausalLM`` (text) -> ``tunix.models.gemma3.model.Gemma3``: Gemma 2's layout with
-    q/k norms, under ``language_model.`` too (the weights of a multimodal checkpoint's text tower)."""
+    """Hugging Face ``Gemma3ForCausalLM`` (text) -> ``tunix.models.gemma3.model.Gemma3``: Gemma 2's layout
+    with q/k norms, under ``language_model.`` too (the weights of a multimodal checkpoint's text tower)."""
     norms = {"post_attention": "post_attention", "pre_feedforward": "pre_ffw", "post_feedforward": "post_ffw"}
     rules = [
         *_GEMMA_COMMON,
@@ -277,7 +279,8 @@ def _family_of(folder: str | os.PathLike[str]) -> tuple[str, Family, dict[str, A
     path = Path(folder)
     if not path.is_dir():
         raise WeightsMismatchError(
-            f"{folder} does not exist{' (it is a file)' if path.exists() else ''}: pass the folder that holds "
+            f"{folder} does not exist{' (it is a file)' if path.exists() else ''}: pass the folder that "
+            "holds "
             f"the checkpoint's config.json and *.safetensors."
         )
     hf = hf_config(folder)
@@ -321,7 +324,8 @@ def tunix_model(folder: str | os.PathLike[str], **overrides: Any) -> tuple[type,
     lost = {k: v for k, v in fields.items() if k not in names and v is not None}
     if lost:
         raise WeightsMismatchError(
-            f"{folder}: the installed google-tunix's {family.cls} ModelConfig has no field for {sorted(lost)} "
+            f"{folder}: the installed google-tunix's {family.cls} ModelConfig has no field for "
+            f"{sorted(lost)} "
             f"(values {lost}): install a google-tunix that has them (pip install -U google-tunix)."
         )
     fields = {k: v for k, v in fields.items() if k in names}
@@ -364,7 +368,8 @@ def check_model_config(model: Any, folder: str | os.PathLike[str]) -> None:
     if wrong:
         raise WeightsMismatchError(
             f"{type(model).__name__} computes something other than {folder}'s checkpoint ({len(wrong)} "
-            f"fields): {'; '.join(wrong[:6])}. Build it with `cls, config = ns.key_maps.tunix_model(folder)`, "
+            f"fields): {'; '.join(wrong[:6])}. Build it with `cls, config = "
+            "ns.key_maps.tunix_model(folder)`, "
             f"which carries every field (tunix's own Llama3 and Qwen3 apply RoPE with theta 1e6 whatever "
             f"their config says). Nothing was read."
         )

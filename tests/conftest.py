@@ -1,4 +1,5 @@
-"""Shared fixtures (meshes of 1, 8, 2x4 and 2x2x2 devices, processes), the slow marks, and Flax's flags restored."""
+"""Shared fixtures (meshes of 1, 8, 2x4 and 2x2x2 devices, processes), the slow marks, and Flax's flags
+restored."""
 
 from __future__ import annotations
 

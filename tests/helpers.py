@@ -1,4 +1,5 @@
-"""What tests share: meshes of 1, 8, 2x4 and 2x2x2 devices, a small model, and guards on transfers and memory."""
+"""What tests share: meshes of 1, 8, 2x4 and 2x2x2 devices, a small model, and guards on transfers and
+memory."""
 
 from __future__ import annotations
 

@@ -38,9 +38,15 @@ BASES = {
     "NnxShardWarning": "the root of every warning: `warnings.filterwarnings('error', category=ns.errors."
     "NnxShardWarning)` turns them all into errors.",
     "ShardingError": "bad input to sharding; raised as one of its subclasses.",
-    "TacticError": "a tactic's complaint about one leaf; raised as one of its subclasses, the rule named first.",
-    "CheckpointError": "raised as one of its subclasses; the live state and the checkpoints are left as they were.",
-    "NoIntermediateShardingError": "raised as such when no intermediate sharding helps; see also its subclass.",
+    "TacticError": (
+        "a tactic's complaint about one leaf; raised as one of its subclasses, the rule named first."
+    ),
+    "CheckpointError": (
+        "raised as one of its subclasses; the live state and the checkpoints are left as they were."
+    ),
+    "NoIntermediateShardingError": (
+        "raised as such when no intermediate sharding helps; see also its subclass."
+    ),
 }
 
 EXAMPLES: dict[str, Example] = {
@@ -60,14 +66,20 @@ EXAMPLES: dict[str, Example] = {
     "DataPositionWarning": Example(
         "Pass `grain.experimental.ElasticIterator`, an iterator with `elastic = True`, or a `step -> batch` "
         "callable, so that a run resumed on another process count reads each example once.",
-        template="the {iterator} iterator is elastic but cannot be moved onto data shard {index} of {count}: it has no reshard(shard_index, shard_count) method, so its batches keep the rows of the shard it was made for. Give it one, or read with grain.experimental.ElasticIterator.",
+        template=(
+            "the {iterator} iterator is elastic but cannot be moved onto data shard {index} of {count}: it "
+            "has no reshard(shard_index, shard_count) method, so its batches keep the rows of the shard it "
+            "was made for. Give it one, or read with grain.experimental.ElasticIterator."
+        ),
     ),
     "MeshError": Example(
-        "Ask for as many devices as there are (`jax.device_count()`), or leave one axis as -1 to take the rest.",
+        "Ask for as many devices as there are (`jax.device_count()`), or leave one axis as -1 to take the "
+        "rest.",
         "ns.create_mesh((16,), ('fsdp',))",
     ),
     "UnknownTacticError": Example(
-        "Use a built-in tactic (`replicate`, `fsdp`, `shard_dim`, `spec`, `stacked`, `annotated`) or register "
+        "Use a built-in tactic (`replicate`, `fsdp`, `shard_dim`, `spec`, `stacked`, `annotated`) or "
+        "register "
         "yours with `ns.register_tactic`.",
         "ns.parse_tactic('shard_everything()')",
     ),
@@ -93,8 +105,8 @@ EXAMPLES: dict[str, Example] = {
         "Chain tactics that use different mesh axes, or keep one of them.",
         "mesh = ns.create_mesh((2, 4), ('dp', 'fsdp'))\n"
         + LINEAR
-        + "ns.plan_sharding(nnx.state(model), [('.*kernel', \"shard_dim(axis='fsdp', dim=0)|shard_dim(axis='fsdp', "
-        "dim=1)\"), ('.*', 'replicate')], mesh)",
+        + "ns.plan_sharding(nnx.state(model), [('.*kernel', \"shard_dim(axis='fsdp', dim=0)|"
+        "shard_dim(axis='fsdp', dim=1)\"), ('.*', 'replicate')], mesh)",
     ),
     "InvalidStrategyError": Example(
         "Pass an ordered list of `(regex, tactic)` pairs.",
@@ -109,13 +121,17 @@ EXAMPLES: dict[str, Example] = {
         MESH + LINEAR + "ns.plan_sharding(nnx.state(model), [('.*kernel', 'replicate')], mesh, strict=True)",
     ),
     "PlacementError": Example(
-        "Give a tree with the target's structure and shapes, each divisible by the mesh axes sharding it (the "
+        "Give a tree with the target's structure and shapes, each divisible by the mesh axes sharding it "
+        "(the "
         "message names the first leaf that does not fit).",
         MESH + "ns.place_like_target({'w': np.zeros((3, 4))}, {'w': jax.NamedSharding(mesh, jax.P('fsdp'))})",
     ),
     "LocalSliceError": Example(
         "Give each process the slice of the global array its devices hold (the message gives the shape).",
-        template="local slice of shape {shape} cannot be split over this process's {n} devices: its first dimension must be a multiple of {n}.",
+        template=(
+            "local slice of shape {shape} cannot be split over this process's {n} devices: its first "
+            "dimension must be a multiple of {n}."
+        ),
     ),
     "ReshardError": Example(
         "Pass arrays that lie on the `in_sharding` the plan was made for, and targets of the same shapes.",
@@ -139,13 +155,16 @@ EXAMPLES: dict[str, Example] = {
         "pass only the items that match.",
         "d = tempfile.mkdtemp()\n"
         + MESH
-        + "ns.Checkpointer(d, async_save=False).save(1, {'model': nnx.Linear(16, 32, rngs=nnx.Rngs(0))}, mesh=mesh)\n"
-        "ns.restore_and_reshard(d, {'model': nnx.Linear(16, 8, rngs=nnx.Rngs(0))}, [('.*', 'replicate')], mesh)",
+        + "ns.Checkpointer(d, async_save=False).save(1, {'model': nnx.Linear(16, 32, rngs=nnx.Rngs(0))}, "
+        "mesh=mesh)\n"
+        "ns.restore_and_reshard(d, {'model': nnx.Linear(16, 8, rngs=nnx.Rngs(0))}, [('.*', 'replicate')], "
+        "mesh)",
     ),
     "CheckpointFormatError": Example(
         "Point at a checkpoint nnx_shard or Orbax wrote; for a plain Orbax checkpoint with several items, "
         "name the one to read.",
-        "import pathlib\nd = pathlib.Path(tempfile.mkdtemp())\n(d / '1').mkdir()\n(d / '1' / 'notes.txt').write_text('x')\n"
+        "import pathlib\nd = pathlib.Path(tempfile.mkdtemp())\n(d / '1').mkdir()\n(d / '1' / "
+        "'notes.txt').write_text('x')\n"
         + MESH
         + LINEAR
         + "ns.restore_and_reshard(d, {'model': model}, [('.*', 'replicate')], mesh)",
@@ -159,15 +178,25 @@ EXAMPLES: dict[str, Example] = {
         "for f in pathlib.Path(d).rglob('*'):\n"
         "    if f.is_file() and f.stat().st_size > 100 and 'ocdbt' in str(f) and 'd/' in str(f):\n"
         "        f.write_bytes(b'\\0' * f.stat().st_size)\n"
-        "ns.restore_and_reshard(d, {'model': nnx.Linear(16, 32, rngs=nnx.Rngs(1))}, [('.*', 'replicate')], mesh)",
+        "ns.restore_and_reshard(d, {'model': nnx.Linear(16, 32, rngs=nnx.Rngs(1))}, [('.*', 'replicate')], "
+        "mesh)",
     ),
     "CheckpointExistsError": Example(
         "Resume the run (`resume=True` / `--resume-auto`), or give the new run its own workdir.",
-        template="workdir {workdir} already holds checkpoints of another run (steps {steps}), and this run does not resume from them. Resume with config resume='auto' (or call restore_and_reshard), use another workdir, or set config overwrite=True to set them aside (moved, not deleted) and start afresh. Nothing in the workdir was touched.",
+        template=(
+            "workdir {workdir} already holds checkpoints of another run (steps {steps}), and this run does "
+            "not resume from them. Resume with config resume='auto' (or call restore_and_reshard), use "
+            "another workdir, or set config overwrite=True to set them aside (moved, not deleted) and start "
+            "afresh. Nothing in the workdir was touched."
+        ),
     ),
     "CheckpointSaveError": Example(
-        "Free disk space or fix the directory's permissions; earlier steps are intact and the run can resume.",
-        template="step {step} could not be written to {directory} ({reason}). The earlier steps are intact; free space or fix the directory's permissions, and the next save writes.",
+        "Free disk space or fix the directory's permissions; earlier steps are intact and the run can "
+        "resume.",
+        template=(
+            "step {step} could not be written to {directory} ({reason}). The earlier steps are intact; free "
+            "space or fix the directory's permissions, and the next save writes."
+        ),
     ),
     "NoLayoutFitsError": Example(
         "Raise the budget, add devices, or let `ns.suggest` shard more (the message names the smallest bytes "
@@ -197,7 +226,10 @@ EXAMPLES: dict[str, Example] = {
     "UnsupportedConfigError": Example(
         "Use a model class that computes the field (the fine-tuning guide's family table), or a checkpoint "
         "without it.",
-        template="{arch}: config.json's {field}={value!r} changes the forward pass, and {need}. Nothing was read; loading anyway would give logits unlike transformers'.",
+        template=(
+            "{arch}: config.json's {field}={value!r} changes the forward pass, and {need}. Nothing was read; "
+            "loading anyway would give logits unlike transformers'."
+        ),
     ),
     "TopologyError": Example(
         "Name a topology libtpu knows (`v5e:2x4`, `v4:2x2x2`), or install `jax[tpu]`.",
@@ -209,7 +241,10 @@ EXAMPLES: dict[str, Example] = {
     ),
     "BatchStructureError": Example(
         "Give batches of the structure, shapes and dtypes of the first one (the message names the leaf).",
-        template="the batch's structure changed between steps: it was {before}, now {after}. Give every batch the same keys and nesting (shapes may change: the step recompiles).",
+        template=(
+            "the batch's structure changed between steps: it was {before}, now {after}. Give every batch the "
+            "same keys and nesting (shapes may change: the step recompiles)."
+        ),
     ),
     "CLIError": Example(
         "Fix the command line as the message says; `nnx-shard --help` lists the commands.",
@@ -217,7 +252,8 @@ EXAMPLES: dict[str, Example] = {
     ),
     "EmptyStateKind": Example("Read `EmptyStateError.kind` to tell the cases apart."),
     "EmptyStateError": Example(
-        "Wrap arrays in `nnx.Param` (or another Variable), or widen the `wrt` filter; `kind` says which case.",
+        "Wrap arrays in `nnx.Param` (or another Variable), or widen the `wrt` filter; `kind` says which "
+        "case.",
         "class Empty(nnx.Module):\n    pass\n"
         + MESH
         + "ns.plan_sharding(Empty(), [('.*', 'replicate')], mesh)",
@@ -228,10 +264,16 @@ EXAMPLES: dict[str, Example] = {
     ),
     "IncompatibleVersionsError": Example(
         "Install a jax/flax pair the message names (pip allows pairs that do not import together).",
-        template="flax {flax} does not import with jax {jax} (jaxlib {jaxlib}): AttributeError: module 'jax.experimental.hijax' has no attribute 'HiPrimitive'. Install a pair that imports: `pip install -U flax` (flax >= 0.12.12 with jax 0.12), or `pip install 'jax<0.12' 'jaxlib<0.12'` for an older flax.",
+        template=(
+            "flax {flax} does not import with jax {jax} (jaxlib {jaxlib}): AttributeError: module "
+            "'jax.experimental.hijax' has no attribute 'HiPrimitive'. Install a pair that imports: `pip "
+            "install -U flax` (flax >= 0.12.12 with jax 0.12), or `pip install 'jax<0.12' 'jaxlib<0.12'` for "
+            "an older flax."
+        ),
     ),
     "StateTypeError": Example(
-        "Pass the state (`nnx.state(model)`, or `nnx.eval_shape(factory)` for an abstract one), not the factory.",
+        "Pass the state (`nnx.state(model)`, or `nnx.eval_shape(factory)` for an abstract one), not the "
+        "factory.",
         MESH + "ns.plan_sharding(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)), [('.*', 'replicate')], mesh)",
     ),
     "LifecycleError": Example(
@@ -240,20 +282,34 @@ EXAMPLES: dict[str, Example] = {
     ),
     "DistributedNotInitializedError": Example(
         "Call `jax.distributed.initialize()` (or run under `nnx-shard launch`) before the first JAX call.",
-        template="{n} processes but no distributed client; call jax.distributed.initialize(...) in every process before barrier_sync.",
+        template=(
+            "{n} processes but no distributed client; call jax.distributed.initialize(...) in every process "
+            "before barrier_sync."
+        ),
     ),
     "WorkdirLockedError": Example(
         "Wait for the other job to finish or stop it; the message names its host and process id. A lock left "
         "by a dead process is taken over on its own.",
-        template="workdir {workdir} is in use by another job: host {host}, pid {pid}, started {started} (lock file {lock}, heartbeat {age} s ago). Wait for it to end, use another workdir, or delete the lock file if that job is certainly gone.",
+        template=(
+            "workdir {workdir} is in use by another job: host {host}, pid {pid}, started {started} (lock "
+            "file {lock}, heartbeat {age} s ago). Wait for it to end, use another workdir, or delete the "
+            "lock file if that job is certainly gone."
+        ),
     ),
     "StandbyError": Example(
         "Read what the training processes raised (the message carries it); restart the job.",
-        template="process {p} is on standby (it holds no device of the mesh) and lost the processes training: waiting for message {k} of resize {g}, JAX's coordination service answered {error}",
+        template=(
+            "process {p} is on standby (it holds no device of the mesh) and lost the processes training: "
+            "waiting for message {k} of resize {g}, JAX's coordination service answered {error}"
+        ),
     ),
     "BarrierTimeoutError": Example(
-        "Find why the missing processes are late (the message lists them); raise `timeout_s` if they are slow.",
-        template="barrier {name!r} (id {id}) timed out after {timeout} s in process {p} of {n}; missing: 1 (waiting at 'save/300'), 3 (not at any barrier) ...",
+        "Find why the missing processes are late (the message lists them); raise `timeout_s` if they are "
+        "slow.",
+        template=(
+            "barrier {name!r} (id {id}) timed out after {timeout} s in process {p} of {n}; missing: 1 "
+            "(waiting at 'save/300'), 3 (not at any barrier) ..."
+        ),
     ),
 }
 

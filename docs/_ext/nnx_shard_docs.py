@@ -76,7 +76,8 @@ def error_pages() -> None:
         (folder / f"{name}.md").write_text("\n".join(parts))
     toc = "\n".join(f"errors/{n}" for n in names)
     (GENERATED / "errors.md").write_text(
-        "# Errors\n\nEvery exception derives from `NnxShardError` and from the builtin that fits its kind, so "
+        "# Errors\n\nEvery exception derives from `NnxShardError` and from the builtin that fits its kind, "
+        "so "
         "`except ValueError` still catches a bad tactic. One page per class: when it is raised, a sample "
         "message and the fix.\n\n"
         f"```{{toctree}}\n:maxdepth: 1\n\n{toc}\n```\n"
@@ -84,7 +85,8 @@ def error_pages() -> None:
 
 
 def config_table() -> str:
-    """Every key of ``Trainer.default_config()`` from its one schema: default, what it expects, what it means."""
+    """Every key of ``Trainer.default_config()`` from its one schema: default, what it expects, what it
+    means."""
     from nnx_shard._trainer import _config
 
     rows = ["| key | default | expects | meaning |", "|---|---|---|---|"]
@@ -140,11 +142,11 @@ TOPICS: dict[str, tuple[str, list[str]]] = {
     ),
     "Checkpoints": (
         "Save, and restore onto any mesh.",
-        ["Checkpointer", "restore_and_reshard", "RestoreOptions", "RestoreReport"],
+        ["Checkpointer", "restore_and_reshard", "RestoreOptions", "RestoreReport", "sources"],
     ),
     "Trainer": (
         "The training loop, and the hooks for your own.",
-        ["Trainer", "default_config", "ShardingHooks"],
+        ["Trainer", "default_config", "ShardingHooks", "TrainingState", "Kind"],
     ),
     "Weights": (
         "Hugging Face folders in and out.",
@@ -178,7 +180,8 @@ def public_names() -> list[str]:
 
 
 def api_page() -> None:
-    """The API page: every public name of ``nnx_shard``, grouped by topic; a name in no topic fails the build."""
+    """The API page: every public name of ``nnx_shard``, grouped by topic; a name in no topic fails the
+    build."""
     placed = [n for _, names in TOPICS.values() for n in names]
     unplaced = sorted(set(public_names()) - set(placed))
     unknown = sorted(set(placed) - set(public_names()))
@@ -195,7 +198,8 @@ def api_page() -> None:
             f".. autosummary::\n   :toctree: api\n\n{body}\n```\n"
         )
     (GENERATED / "api.md").write_text(
-        "# API\n\nEverything `import nnx_shard as ns` gives, by topic; each entry links its source. The errors "
+        "# API\n\nEverything `import nnx_shard as ns` gives, by topic; each entry links its source. The "
+        "errors "
         "have [their own pages](errors.md), the Hugging Face key maps are `ns.key_maps`, the seeds' API "
         "`ns.compat`.\n\n" + "\n".join(sections)
     )
@@ -227,12 +231,16 @@ def inventories() -> None:
                 role = "py:class" if inspect.isclass(obj) else "py:function" if callable(obj) else "py:data"
                 full = f"{prefix}.{name}"
                 lines.append(f"{full} {role} 1 {uri.format(full)} -")
-        head = f"# Sphinx inventory version 2\n# Project: {lib}\n# Version: installed\n# The remainder of this file is compressed using zlib.\n"
+        head = (
+            f"# Sphinx inventory version 2\n# Project: {lib}\n# Version: installed\n"
+            "# The remainder of this file is compressed using zlib.\n"
+        )
         (folder / f"{lib}.inv").write_bytes(head.encode() + zlib.compress("\n".join(lines).encode() + b"\n"))
 
 
 def figures() -> None:
-    """The performance page's tables, from ``benchmarks/figures.toml`` (the README shows the same CPU table)."""
+    """The performance page's tables, from ``benchmarks/figures.toml`` (the README shows the same CPU
+    table)."""
     spec = importlib.util.spec_from_file_location("figures", HERE.parent / "benchmarks" / "figures.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

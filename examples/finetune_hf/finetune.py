@@ -13,9 +13,10 @@ The path a user takes, each step one call:
      both are opened by them and their logits compared with the JAX model's.
 
 The default folder is the tiny random Llama in tests/data/hf/llama; any LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM or Gemma 1, 2 or 3 folder works the same, as transformers 4.x or 5.x wrote it
-(tests/data/hf/transformers-*; nothing is downloaded). A config field the model cannot compute (a yarn RoPE, a
-softcap tunix's Gemma 3 lacks...) stops it at the first line with UnsupportedConfigError naming the field.
+Qwen2ForCausalLM, Qwen3ForCausalLM or Gemma 1, 2 or 3 folder works the same, as transformers 4.x or 5.x wrote
+it (tests/data/hf/transformers-*; nothing is downloaded). A config field the model cannot compute (a yarn
+RoPE, a softcap tunix's Gemma 3 lacks...) stops it at the first line with UnsupportedConfigError naming the
+field.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def batches(step: int) -> dict[str, np.ndarray]:
 
 
 def trainer_for(folder: Path, devices: int, workdir: str, steps: int) -> ns.Trainer:
-    """A Trainer that fine-tunes the adapters of :func:`lora_model` on ``devices`` devices, saving to ``workdir``."""
+    """A Trainer that fine-tunes the adapters of :func:`lora_model` on ``devices`` devices, saving to
+    ``workdir``."""
 
     class FineTune(ns.Trainer):
         def create_model(self, rngs):
@@ -79,11 +81,17 @@ def trainer_for(folder: Path, devices: int, workdir: str, steps: int) -> ns.Trai
     mesh = ns.create_mesh((devices,), ("fsdp",), devices=jax.devices()[:devices])
     return FineTune(
         {
-            "total_steps": steps, "log_every": 1, "progress": "off", "mesh": mesh, "ema_decay": None,
+            "total_steps": steps,
+            "log_every": 1,
+            "progress": "off",
+            "mesh": mesh,
+            "ema_decay": None,
             "sharding_strategy": [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")],
-            "workdir": workdir, "save_every": max(1, steps // 2), "resume": "auto",
+            "workdir": workdir,
+            "save_every": max(1, steps // 2),
+            "resume": "auto",
         }
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
@@ -104,10 +112,11 @@ def main() -> None:
     resumed = trainer_for(args.folder, max(1, n // 2), workdir, args.steps)
     history = resumed.train(batches)
     print(
-        f"resumed from step {resumed.restored_step} on {max(1, n // 2)} devices; loss {history[-1]['loss']:.4f}"
+        f"resumed from step {resumed.restored_step} on {max(1, n // 2)} devices; loss "
+        f"{history[-1]['loss']:.4f}"
     )
 
-    model = resumed.objects()["model"]
+    model = resumed.training_state["model"]
     merged, adapters = Path(workdir) / "merged", Path(workdir) / "peft"
     ns.save_safetensors(model, merged, like=args.folder)
     ns.save_peft_adapters(model, adapters, like=args.folder)

@@ -1,4 +1,5 @@
-"""Fine-tune a pretrained Llama-style decoder with LoRA: load into shards, check, train, resume smaller, export.
+"""Fine-tune a pretrained Llama-style decoder with LoRA: load into shards, check, train, resume smaller,
+export.
 
     python examples/lora/finetune.py [--workdir DIR] [--steps N]
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = LoRATrainer(config)
     trainer.init()
     probe = batch_for(0, tokens)["x"][:2]
-    ours = np.asarray(trainer.objects()["model"](probe))
+    ours = np.asarray(trainer.training_state["model"](probe))
     reference = numpy_forward(weights, probe, CFG)
     logits_diff = float(np.abs(ours - reference).max())
     assert logits_diff < 1e-3, f"the loaded model's logits differ from NumPy's by {logits_diff}"
@@ -113,11 +114,11 @@ def main(argv: list[str] | None = None) -> dict:
     resumed = LoRATrainer({**config, "mesh": ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])})
     resumed.train(lambda s: batch_for(s, tokens))
     export = work / "export"
-    ns.save_safetensors(resumed.objects()["model"], export, KEY_MAP, like=base)
+    ns.save_safetensors(resumed.training_state["model"], export, KEY_MAP, like=base)
     check = Decoder(CFG, __import__("flax").nnx.Rngs(1))
     ns.load_safetensors(check, export, KEY_MAP)
     merged_logits = np.asarray(check(probe))
-    tuned_logits = np.asarray(resumed.objects()["model"](probe))
+    tuned_logits = np.asarray(resumed.training_state["model"](probe))
     plan = trainer.plan
     last = work / "run" / "checkpoints" / str(args.steps)  # one checkpoint: adapters, adam, EMA, no base
     figures = {

@@ -1,4 +1,5 @@
-"""A small Llama-style decoder in Flax NNX with LoRA on every projection, and its NumPy twin for checking loads.
+"""A small Llama-style decoder in Flax NNX with LoRA on every projection, and its NumPy twin for checking
+loads.
 
 The layout follows Hugging Face's Llama: pre-norm blocks (RMSNorm), attention with rotary
 position embeddings (the rotate-half form), a gated SiLU MLP, an untied ``lm_head``. Every
@@ -131,7 +132,8 @@ def numpy_forward(weights: dict[str, np.ndarray], tokens: np.ndarray, cfg: Confi
 
 
 def hf_weights(cfg: Config, seed: int = 0) -> dict[str, np.ndarray]:
-    """Base weights in Hugging Face's names and (out, in) layout, float32, as a pretrained checkpoint has them."""
+    """Base weights in Hugging Face's names and (out, in) layout, float32, as a pretrained checkpoint has
+    them."""
     rng = np.random.default_rng(seed)
     inner = cfg.heads * cfg.head_dim
 

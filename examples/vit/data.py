@@ -1,4 +1,5 @@
-"""Data for the ViT example: scikit-learn's bundled 8x8 digits (no download), synthetic images, or your arrays."""
+"""Data for the ViT example: scikit-learn's bundled 8x8 digits (no download), synthetic images, or your
+arrays."""
 
 from __future__ import annotations
 

@@ -96,13 +96,16 @@ def main() -> None:
     print("  " + first["plan"].replace("\n", "\n  "))
     print(f"reshard: {second['restore']}")
     print(
-        f"loss just before the restore: step {last_before[0]} train loss {last_before[1]:.4f}; test loss {first['eval']['eval_loss']:.4f}"
+        f"loss just before the restore: step {last_before[0]} train loss {last_before[1]:.4f}; test loss "
+        f"{first['eval']['eval_loss']:.4f}"
     )
     print(
-        f"loss just after the restore:  test loss {second['eval_after_restore']['eval_loss']:.4f} (same state, now on 4 devices); step {first_after[0]} train loss {first_after[1]:.4f}"
+        f"loss just after the restore:  test loss {second['eval_after_restore']['eval_loss']:.4f} (same "
+        f"state, now on 4 devices); step {first_after[0]} train loss {first_after[1]:.4f}"
     )
     print(
-        f"final test accuracy (step {second['final_step']}): {100 * second['eval']['eval_accuracy']:.1f}% (EMA: {100 * second['eval_ema']['eval_accuracy']:.1f}%)"
+        f"final test accuracy (step {second['final_step']}): {100 * second['eval']['eval_accuracy']:.1f}% "
+        f"(EMA: {100 * second['eval_ema']['eval_accuracy']:.1f}%)"
     )
     print(f"loss curve: {png}")
     print(f"checkpoints and metrics: {workdir}; {time.time() - start:.0f} s in all")

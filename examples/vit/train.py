@@ -1,11 +1,12 @@
 """Train the ViT with the nnx_shard Trainer, and resume on any number of devices or hosts.
 
     python examples/vit/train.py --workdir /tmp/vit --steps 200                    # 8 simulated CPU devices
-    python examples/vit/train.py --workdir /tmp/vit --steps 300 --devices 4 --resume
-    python examples/vit/train.py --config b16_tp,synthetic --real-devices --workdir /tmp/b16   # GPU / TPU host
+    python examples/vit/train.py --workdir /tmp/vit --steps 300 --devices 4 --resume python
+    examples/vit/train.py --config b16_tp,synthetic --real-devices --workdir /tmp/b16   # GPU / TPU host
     python examples/vit/train.py --coordinator 127.0.0.1:9876 --num-processes 2 --process-id 0 --devices 2 ...
-    python examples/vit/train.py --distributed --real-devices ...                  # TPU pod: every worker runs this
-    python examples/vit/train.py --config l16 --aot v5e:16x16 [--slices 2]   # compile for a pod here, train nothing
+    python examples/vit/train.py --distributed --real-devices ...                  # TPU pod: every worker
+    runs this python examples/vit/train.py --config l16 --aot v5e:16x16 [--slices 2]   # compile for a pod
+    here, train nothing
 
 Prints one line starting with SUMMARY: a JSON summary (plan, restore report, losses, accuracy). Exits with
 status 75 (EX_TEMPFAIL: run me again) when a SIGTERM (preemption, a scheduler's time limit) stopped it after
@@ -33,7 +34,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--aot",
         default=None,
         metavar="TOPOLOGY",
-        help="compile the train step for a TPU topology such as v5e:16x16 and print its report (needs libtpu)",
+        help="compile the train step for a TPU topology such as v5e:16x16 and print its report "
+        "(needs libtpu)",
     )
     ap.add_argument("--slices", type=int, default=1, help="with --aot: slices of the topology over DCN")
     ap.add_argument(
@@ -50,7 +52,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--resume-auto",
         action="store_true",
-        help="resume='auto': restore the newest checkpoint that verifies if there is one (restarts, requeues)",
+        help="resume='auto': restore the newest checkpoint that verifies if there is one "
+        "(restarts, requeues)",
     )
     ap.add_argument(
         "--step-timeout",
@@ -73,7 +76,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--data",
         default="batches",
         choices=["batches", "elastic"],
-        help="batches: a step -> batch function; elastic: grain's ElasticIterator (each example once on any process count)",
+        help="batches: a step -> batch function; elastic: grain's ElasticIterator "
+        "(each example once on any process count)",
     )
     ap.add_argument("--record-examples", action="store_true", help="write the example numbers each step fed")
     ap.add_argument("--log-every", type=int, default=None)
@@ -142,8 +146,11 @@ def run(argv: list[str] | None = None) -> dict:
         )
 
     trainer = ViTTrainer(cfg)
-    print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
-          f"{jax.device_count()} devices, mesh {ns.describe_mesh(trainer.mesh)}", flush=True)  # fmt: skip
+    print(
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
+        f"{jax.device_count()} devices, mesh {ns.describe_mesh(trainer.mesh)}",
+        flush=True,
+    )
     summary: dict = {
         "devices": jax.device_count(),
         "processes": jax.process_count(),
@@ -194,8 +201,10 @@ def compile_only(cfg, args: argparse.Namespace) -> dict:
         "labels": jax.ShapeDtypeStruct((n,), np.int32),
     }
     report = ViTTrainer(cfg).compile_report(ns.tpu_devices(args.aot, slices=args.slices), batch)
-    print(f"{args.config} on {args.aot}{f' x {args.slices} slices' if args.slices > 1 else ''}, "
-          f"global batch {n}, mesh {cfg.mesh}")  # fmt: skip
+    print(
+        f"{args.config} on {args.aot}{f' x {args.slices} slices' if args.slices > 1 else ''}, "
+        f"global batch {n}, mesh {cfg.mesh}"
+    )
     print(report.table())
     summary = {
         "config": args.config,

@@ -31,9 +31,9 @@ class ViTTrainer(ns.Trainer):
         return c
 
     def global_batch(self, batch):
-        """With ``record_examples``, notes the numbered examples (``batch["index"]``) this process feeds to the
-        coming step in ``workdir/examples-<process>.jsonl``; a resumed run's lines for a step come after the
-        lines an earlier run wrote for it."""
+        """With ``record_examples``, notes the numbered examples (``batch["index"]``) this process feeds to
+        the coming step in ``workdir/examples-<process>.jsonl``; a resumed run's lines for a step come after
+        the lines an earlier run wrote for it."""
         if self.config.record_examples and self.config.workdir and "index" in batch:
             line = {"step": self.step + 1, "index": np.asarray(batch["index"]).tolist()}
             with Path(self.config.workdir, f"examples-{jax.process_index()}.jsonl").open("a") as f:

@@ -46,17 +46,31 @@ from nnx_shard._base._specs import (
     trim_spec,
 )
 from nnx_shard._base._threads import in_threads
+from nnx_shard._base._training_state import (
+    EMA,
+    MODEL,
+    OPTIMIZER,
+    Kind,
+    TrainingState,
+    ema_as_model_restored,
+    ema_as_model_target,
+)
 from nnx_shard._base._visibility import check_model
 
 __all__ = [
     "COMPILE_CLOCK",
     "DEFAULT_AXIS_DIMS",
     "DEFAULT_AXIS_NAMES",
+    "EMA",
+    "MODEL",
+    "OPTIMIZER",
     "WHOLE",
     "CompileClock",
+    "Kind",
     "Leaf",
     "Spec",
     "SpecEntry",
+    "TrainingState",
     "abstract_construction",
     "as_state",
     "bytes_per_device",
@@ -68,6 +82,8 @@ __all__ = [
     "create_mesh",
     "describe_mesh",
     "distributed_client",
+    "ema_as_model_restored",
+    "ema_as_model_target",
     "entry_axes",
     "entry_size",
     "finalize_spec",

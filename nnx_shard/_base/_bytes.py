@@ -1,4 +1,5 @@
-"""Bytes and tables in words (and sizes read back from words): the one format every report and error prints."""
+"""Bytes and tables in words (and sizes read back from words): the one format every report and error
+prints."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def parse_bytes(budget: int | float | str) -> int:
     m = _SIZE.match(budget) if isinstance(budget, str) else None
     if m is None or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
         raise ConfigError(
-            f"a memory budget is a number of bytes or a size such as '16GiB', '512MB' or '1.5G'; got {budget!r}."
+            "a memory budget is a number of bytes or a size such as '16GiB', '512MB' or '1.5G'; got "
+            f"{budget!r}."
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

@@ -70,7 +70,8 @@ def abstract_construction() -> Iterator[None]:
 
 @contextlib.contextmanager
 def threefry_kernel(platform: str) -> Iterator[None]:
-    """On GPUs, lowers threefry (``jax.random``) to JAX's own kernel while this context is open; elsewhere nothing.
+    """On GPUs, lowers threefry (``jax.random``) to JAX's own kernel while this context is open; elsewhere
+    nothing.
 
     XLA's GPU compile of the inlined threefry hash takes minutes for a model of
     200 arrays (ViT-B's init: > 140 s on an H200, 4.5 s with the kernel, which

@@ -371,6 +371,7 @@ def check_every_process_in(mesh: Mesh, what: str, how: str) -> None:
         names = ", ".join(map(str, left_out))
         raise MeshError(
             f"the mesh ({describe_mesh(mesh)}) leaves process{'es' if len(left_out) > 1 else ''} {names} of "
-            f"{jax.process_count()} without a device, and {what} needs a device on every process; give each at "
+            f"{jax.process_count()} without a device, and {what} needs a device on every process; give each "
+            "at "
             f"least one device. {how} Nothing was moved."
         )

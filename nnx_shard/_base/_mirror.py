@@ -31,6 +31,7 @@ import jax
 from flax.nnx.training.optimizer import OptState
 
 from nnx_shard._base._caches import cached
+from nnx_shard._base._training_state import Kind
 
 # The first path segment under which a state mirrors the parameters:
 # ``nnx.Optimizer`` keeps ``opt_state``, ``nnx.EMA`` keeps ``params``.
@@ -98,7 +99,8 @@ def mirror_candidates(segments: tuple[str, ...], group_depth: int = 0) -> tuple[
 
 @dataclasses.dataclass(frozen=True)
 class Mirror:
-    """What one leaf mirrors: the names rules may match it by, the parameter's path, the parameter's Variable."""
+    """What one leaf mirrors: the names rules may match it by, the parameter's path, the parameter's
+    Variable."""
 
     candidates: tuple[str, ...]
     path: str | None
@@ -112,7 +114,7 @@ class Parameters:
     when the first path segment names a group, else 0.
     """
 
-    def __init__(self, kinds: dict[Any, str], group_depth: int):
+    def __init__(self, kinds: dict[Any, Kind], group_depth: int):
         self.kinds = kinds
         self.group_depth = group_depth
         self.paths: dict[str | None, dict[str, tuple[tuple[int, ...] | None, Any]]] = {}
@@ -132,14 +134,14 @@ class Parameters:
         found = [
             g for g, paths in self.paths.items() if g != own and param in paths and paths[param][0] == shape
         ]
-        return next((g for g in found if self.kinds.get(g) == "model"), found[0] if found else None)
+        return next((g for g in found if self.kinds.get(g) is Kind.MODEL), found[0] if found else None)
 
     def is_state(self, keypath: tuple[Any, ...], segments: tuple[str, ...], shape: Any, value: Any) -> bool:
         """Rule 1: the leaf is optimizer or EMA state."""
         group, rel = self._group(segments), segments[self.group_depth :]
         fields = optax_state_fields()
         return (
-            self.kinds.get(group, "state") in ("optimizer", "ema")
+            self.kinds.get(group, Kind.STATE) in (Kind.OPTIMIZER, Kind.EMA)
             or isinstance(value, OptState)
             or any(isinstance(k, jax.tree_util.GetAttrKey) and k.name in fields for k in keypath)
             or self._ema_params_of_another_group(rel, shape, group)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -14,6 +14,7 @@ from flax.nnx import graph as nnx_graph
 
 from nnx_shard._base._mirror import Parameters
 from nnx_shard._base._specs import itemsize
+from nnx_shard._base._training_state import Kind, TrainingState
 from nnx_shard._base._visibility import raise_hidden, reveal
 
 
@@ -56,8 +57,10 @@ class Leaf:
       mirror: the parameter path it mirrors (optimizer or EMA state), if any.
       mirror_variable: that parameter's Variable, when the model is at hand.
       stacked: dimensions NNX marks as stacked layers (kept whole by default).
+      kind: the part of the training state it belongs to (:class:`Kind`), from its group's name.
 
-    >>> leaf = Leaf("opt_state/0/mu/up/kernel", (16, 32), "bfloat16", candidates=("up/kernel",), mirror="up/kernel")
+    >>> path = "opt_state/0/mu/up/kernel"
+    >>> leaf = Leaf(path, (16, 32), "bfloat16", candidates=("up/kernel",), mirror="up/kernel")
     >>> leaf.nbytes, leaf.mirror, leaf.describe()
     (1024, 'up/kernel', "'opt_state/0/mu/up/kernel' (shape (16, 32))")
     """
@@ -70,6 +73,7 @@ class Leaf:
     mirror: str | None = None
     mirror_variable: Any = None
     stacked: tuple[int, ...] = ()
+    kind: Kind = Kind.STATE
 
     @property
     def ndim(self) -> int:
@@ -106,7 +110,8 @@ class Leaf:
         return own
 
     def annotation(self) -> tuple[Any, ...] | None:
-        """The logical names of its dimensions (``out_sharding``, ``sharding_names`` or ``sharding``), if any."""
+        """The logical names of its dimensions (``out_sharding``, ``sharding_names`` or ``sharding``), if
+        any."""
         names = _annotation_names(self.metadata())
         return tuple(names) if names is not None and len(names) == self.ndim else None
 
@@ -141,6 +146,8 @@ def as_state(tree: Any) -> tuple[Any, int]:
     """
     if is_graph_object(tree):
         return nnx.state(tree), 0
+    if isinstance(tree, TrainingState):
+        tree = dict(tree)
     if type(tree) in (dict, list, tuple) and tree:
         values = tree.values() if isinstance(tree, dict) else tree
         if any(is_graph_object(v) or isinstance(v, nnx.State) for v in values):
@@ -152,10 +159,10 @@ def as_state(tree: Any) -> tuple[Any, int]:
 
 
 def visible(tree: Any) -> Any:
-    """``tree``, once every Variable of its Modules is visible to ``nnx.state``: qwix's class swaps are repaired,
-    anything else hidden raises :class:`~nnx_shard.EmptyStateError` (see ``_visibility``). Run where objects
-    enter (planning, creation), not on every read of their state."""
-    values = tree.values() if isinstance(tree, dict) else tree if type(tree) in (list, tuple) else (tree,)
+    """``tree``, once every Variable of its Modules is visible to ``nnx.state``: qwix's class swaps are
+    repaired, anything else hidden raises :class:`~nnx_shard.EmptyStateError` (see ``_visibility``). Run where
+    objects enter (planning, creation), not on every read of their state."""
+    values = tree.values() if isinstance(tree, Mapping) else tree if type(tree) in (list, tuple) else (tree,)
     for obj in values:
         if is_graph_object(obj) and (hidden := reveal(obj)):
             raise_hidden(hidden, type(obj).__name__)
@@ -166,27 +173,12 @@ def _annotation_names(meta: dict[str, Any]) -> Any:
     return meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding") or None
 
 
-def _kind(obj: Any) -> str:
-    if isinstance(obj, nnx.Optimizer):
-        return "optimizer"
-    if isinstance(obj, nnx.EMA) or _is_ema_state(obj):
-        return "ema"
-    return "model" if is_graph_object(obj) else "state"
-
-
-def _is_ema_state(obj: Any) -> bool:
-    """``nnx.state(ema)``: a State whose one key is ``params``, every leaf under it an ``nnx.Param``."""
-    if not isinstance(obj, nnx.State) or list(obj.keys()) != ["params"]:
-        return False
-    leaves = jax.tree.leaves(obj, is_leaf=is_variable)
-    return bool(leaves) and all(isinstance(v, nnx.Param) for v in leaves)
-
-
-def _group_kinds(tree: Any, group_depth: int) -> dict[Any, str]:
+def _group_kinds(tree: Any, group_depth: int) -> dict[Any, Kind]:
+    """What each group is, from its type (what the mirror rules use); the whole tree's when ungrouped."""
     if not group_depth:
-        return {None: _kind(tree)}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-    return {str(k): _kind(v) for k, v in items}
+        return {None: Kind.of(tree)}
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    return {str(k): Kind.of(v) for k, v in items}
 
 
 def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
@@ -200,6 +192,7 @@ def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
     state, group_depth = as_state(visible(tree))
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)
     parameters = Parameters(_group_kinds(tree, group_depth), group_depth)
+    part_kind = tree.kind if isinstance(tree, TrainingState) else Kind.named  # a typed state says, else names
     records = []
     for keypath, value in flat:
         path = path_str(keypath)
@@ -220,6 +213,7 @@ def flatten_leaves(tree: Any) -> tuple[list[Leaf], Any]:
                 candidates=mirror.candidates,
                 mirror=mirror.path,
                 mirror_variable=mirror.variable if is_variable(mirror.variable) else None,
+                kind=part_kind(segments[0]) if group_depth and segments else Kind.STATE,
             )
         )
     return leaves, treedef

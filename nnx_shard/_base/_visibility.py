@@ -1,4 +1,5 @@
-"""What ``nnx.state`` can see of a model: Variables it would miss are found, repaired or named before anything compiles.
+"""What ``nnx.state`` can see of a model: Variables it would miss are found, repaired or named before anything
+compiles.
 
 Flax makes a Module a pytree unless its class says ``pytree=False``. qwix's
 ``apply_lora_to_model`` swaps a model's class for a subclass of it, and Flax

@@ -1,4 +1,5 @@
-"""Checkpoints: the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, and restores onto shardings."""
+"""Checkpoints: the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, and restores onto
+shardings."""
 
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._faults import quiet

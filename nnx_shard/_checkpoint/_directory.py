@@ -1,4 +1,5 @@
-"""A checkpoint directory's files: leftovers of interrupted saves, finished steps, steps moved aside, and the errors naming them."""
+"""A checkpoint directory's files: leftovers of interrupted saves, finished steps, steps moved aside, and the
+errors naming them."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def _remove(path: Any, tries: int = 20) -> None:
 
 
 def remove_unfinished(directory: Any, step: int) -> None:
-    """Removes ``step``'s folder when Orbax never finalised it (no commit marker): a restore must not pick it."""
+    """Removes ``step``'s folder when Orbax never finalised it (no commit marker): a restore must not pick
+    it."""
     folder = directory / str(step)
     if jax.process_index() == 0 and folder.exists() and not (folder / "_CHECKPOINT_METADATA").exists():
         _remove(folder)
@@ -181,7 +183,8 @@ def read_limit(max_host_bytes: int, target: Any) -> int:
     )
     if largest * READ_AMPLIFICATION > max_host_bytes:
         logger.warning(
-            "max_host_bytes=%d is below what reading the largest shard takes (about %d bytes); reading one shard at a time",
+            "max_host_bytes=%d is below what reading the largest shard takes (about %d bytes); reading one "
+            "shard at a time",
             max_host_bytes,
             largest * READ_AMPLIFICATION,
         )

@@ -94,9 +94,11 @@ _OS_CODE = re.compile(r":\s*([^:\[]+?)\s*\[os_error_code='?(\d+)'?\]")
 
 
 def os_reason(error: BaseException) -> str | None:
-    """The operating system's reason in a chain: an OSError's, or the one TensorStore quotes (``File too large``).
+    """The operating system's reason in a chain: an OSError's, or the one TensorStore quotes (``File too
+    large``).
 
-    >>> os_reason(ValueError("OUT_OF_RANGE: Failed to write 10 bytes to file 8: File too large [os_error_code='27']"))
+    >>> message = "OUT_OF_RANGE: Failed to write 10 bytes to file 8: File too large [os_error_code='27']"
+    >>> os_reason(ValueError(message))
     'File too large (errno 27)'
     """
     for e in chain(error):

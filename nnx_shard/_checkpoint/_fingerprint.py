@@ -306,8 +306,8 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
 
 @cached(maxsize=256)
 def _block_program(shape: tuple[int, ...], dtype: Any, global_shape: tuple[int, ...]) -> Any:
-    """``(block, base) -> share``: :func:`block_fingerprint` of a block of ``global_shape`` whose first word is
-    at global index ``base``, on the block's own device, in one fused pass (``base`` is an argument: one
+    """``(block, base) -> share``: :func:`block_fingerprint` of a block of ``global_shape`` whose first word
+    is at global index ``base``, on the block's own device, in one fused pass (``base`` is an argument: one
     program for every block of one shape)."""
     words_shape = _word_shape(shape, dtype)
     strides = [s % 2**32 for s in _word_strides(_word_shape(global_shape, dtype))]
@@ -328,7 +328,8 @@ def device_shares(blocks: Sequence[tuple[jax.Array, Sequence[int], Sequence[int]
     array add up to :func:`fingerprints`' value, as :func:`block_fingerprint`'s do.
 
     >>> x = jnp.arange(24.0).reshape(4, 6)
-    >>> [int(s) for s in device_shares([(x[:2], (0, 0), (4, 6))])] == [block_fingerprint(np.asarray(x[:2]), (0, 0), (4, 6))]
+    >>> shares = device_shares([(x[:2], (0, 0), (4, 6))])
+    >>> [int(s) for s in shares] == [block_fingerprint(np.asarray(x[:2]), (0, 0), (4, 6))]
     True
     """
     out = []

@@ -1,4 +1,5 @@
-"""What a checkpoint holds: its metadata, typed PRNG keys stored as key data, fingerprints, its structure checked."""
+"""What a checkpoint holds: its metadata, typed PRNG keys stored as key data, fingerprints, its structure
+checked."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def abstract_target(state: Any, shardings: Any) -> Any:
     >>> from nnx_shard import create_mesh, infer_sharding
     >>> mesh = create_mesh((8,), ("fsdp",))
     >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 16, rngs=nnx.Rngs(0)))
-    >>> target = abstract_target(model, infer_sharding(model, [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh))
+    >>> strategy = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+    >>> target = abstract_target(model, infer_sharding(model, strategy, mesh))
     >>> target["kernel"].get_value().sharding.spec
     P(None, 'fsdp')
     """

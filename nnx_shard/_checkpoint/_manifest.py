@@ -58,7 +58,8 @@ JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "met
 
 
 def unreadable_json(step_dir: Any) -> list[str]:
-    """The JSON files Orbax reads from a step that are missing, empty or do not parse (for naming a decode error)."""
+    """The JSON files Orbax reads from a step that are missing, empty or do not parse (for naming a decode
+    error)."""
     bad = []
     candidates = [step_dir / name for name in JSON_FILES]
     metadatas = step_dir / "state" / "array_metadatas"

@@ -1,4 +1,5 @@
-"""Checkpoints written by plain Orbax: found in a directory, matched to the objects restored into, read into their shardings.
+"""Checkpoints written by plain Orbax: found in a directory, matched to the objects restored into, read into
+their shardings.
 
 Orbax lays out what its users write in three ways, all read here:
 
@@ -78,7 +79,8 @@ def has_steps(directory: Any) -> bool:
 
 
 def is_nnx_shard(directory: Any) -> bool:
-    """True for nnx_shard's own layout (steps with ``state`` and ``meta``), or where no checkpoint of any kind is."""
+    """True for nnx_shard's own layout (steps with ``state`` and ``meta``), or where no checkpoint of any kind
+    is."""
     directory = epath.Path(directory)
     if not directory.exists() or not directory.is_dir():
         return True
@@ -168,7 +170,8 @@ def choose(
     pool = [i for i in items if item is None or i.name == item]
     if not pool:
         raise CheckpointFormatError(
-            f"no item {item!r} in {where}; it holds {[i.name for i in items]}. Pass one of those as orbax_item=."
+            f"no item {item!r} in {where}; it holds {[i.name for i in items]}. Pass one of those as "
+            "orbax_item=."
         )
     sources: dict[str, tuple[Item, str]] = {}
     for name, leaves in wanted.items():
@@ -187,7 +190,8 @@ def choose(
         error = _no_fit(missing[0], wanted[missing[0]], pool, wanted, where)
         if sources:
             raise type(error)(
-                f"{error} It holds {sorted(sources)}: restore {{{', '.join(repr(n) + ': ...' for n in sorted(sources))}}} only."
+                f"{error} It holds {sorted(sources)}: restore "
+                f"{{{', '.join(repr(n) + ': ...' for n in sorted(sources))}}} only."
             )
         raise error
     return sources
@@ -213,7 +217,8 @@ def _no_fit(
     want = {n: f"{len(v)} arrays: {list(v)[:3]}" for n, v in wanted.items()}
     return CheckpointFormatError(
         f"no item of {where} fits {name!r}: found {'; '.join(i.describe() for i in pool)}; the objects "
-        f"restored into want {want}. Restore only the objects the checkpoint holds, or name the item with orbax_item=."
+        f"restored into want {want}. Restore only the objects the checkpoint holds, or name the item with "
+        "orbax_item=."
     )
 
 
@@ -272,7 +277,8 @@ def _read_item(
 
 
 class PlainCheckpoint:
-    """A checkpoint written by plain Orbax, restored in two stages: :meth:`prepare` (checks), then :meth:`read`.
+    """A checkpoint written by plain Orbax, restored in two stages: :meth:`prepare` (checks), then
+    :meth:`read`.
 
     >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
     >>> folder = tempfile.mkdtemp() + "/ckpt"

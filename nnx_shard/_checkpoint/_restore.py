@@ -1,4 +1,5 @@
-"""The one restore: a source, live states and options in; restored states on the target shardings and a report out."""
+"""The one restore: a source, live states and options in; restored states on the target shardings and a report
+out."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import check_every_process_in, describe_mesh
+from nnx_shard._base import (
+    EMA,
+    MODEL,
+    check_every_process_in,
+    describe_mesh,
+    ema_as_model_restored,
+    ema_as_model_target,
+)
 from nnx_shard._checkpoint._faults import quiet
 from nnx_shard._checkpoint._format import abstract_target
 from nnx_shard._checkpoint._restore_options import RestoreOptions, RestoreReport
@@ -44,30 +52,26 @@ def restore_names(
         raise CheckpointError(
             f"only={unknown} names no live object; the objects are {sorted(objects)}: restore some of those."
         )
-    if ema_as_model and "model" not in names:
+    if ema_as_model and MODEL not in names:
         raise CheckpointError(
             "ema_as_model=True loads EMA parameters into the 'model' object; include 'model' in only=."
         )
-    return [n for n in names if n != "ema"] if ema_as_model else names
+    return [n for n in names if n != EMA] if ema_as_model else names
 
 
 def _targets(
     states: dict[str, Any], shardings: Mapping[str, Any], names: list[str], opts: RestoreOptions
 ) -> tuple[Any, Any, Any]:
-    """What to read into, the structure the checkpoint must have, and the frozen part kept (``states`` trimmed)."""
+    """What to read into, the structure the checkpoint must have, and the frozen part kept (``states``
+    trimmed)."""
     target = {k: abstract_target(states[k], shardings[k]) for k in names}
     kept = None
-    if opts.frozen is not None and "model" in target:  # the frozen part stays as it is, never read
-        kept, states["model"] = nnx.split_state(states["model"], opts.frozen, ...)
-        target["model"] = nnx.split_state(target["model"], opts.frozen, ...)[1]
+    if opts.frozen is not None and MODEL in target:  # the frozen part stays as it is, never read
+        kept, states[MODEL] = nnx.split_state(states[MODEL], opts.frozen, ...)
+        target[MODEL] = nnx.split_state(target[MODEL], opts.frozen, ...)[1]
     expected = dict(target)
-    if opts.ema_as_model:  # read the model's parameters from the EMA, its other state from the model
-        params, rest = nnx.split_state(target["model"], nnx.Param, ...)
-        if jax.tree.leaves(rest):
-            target["model"] = rest
-        else:  # a model of parameters only: nothing of it is read (an empty item is not a tree Orbax reads)
-            del target["model"]
-        target["ema"] = expected["ema"] = nnx.State({"params": params})
+    if opts.ema_as_model:
+        target, expected = ema_as_model_target(target), ema_as_model_target(target, expected=True)
     return target, expected, kept
 
 
@@ -119,10 +123,9 @@ def restore_onto(
             raise
     restored = dict(restored)
     if kept is not None:
-        restored["model"] = nnx.merge_state(restored["model"], kept)
+        restored[MODEL] = nnx.merge_state(restored[MODEL], kept)
     if opts.ema_as_model:
-        params = restored.pop("ema")["params"]
-        restored["model"] = nnx.merge_state(restored["model"], params) if "model" in restored else params
+        restored = ema_as_model_restored(restored)
     check_placed(restored, {k: shardings[k] for k in restored})
     partial = src.describe() is None and (not src.complete(list(restored)) or opts.ema_as_model)
     report = RestoreReport(

@@ -9,7 +9,8 @@ from typing import Any
 
 from nnx_shard.errors import CheckpointError, ConflictingArgumentsError
 
-# the names before 2026-11-27: ``items`` (which objects) and ``item`` (a plain Orbax item) differed by a letter
+# the names before 2026-11-27: ``items`` (which objects) and ``item`` (a plain Orbax item) differed by a
+# letter
 RENAMED = {"items": "only", "item": "orbax_item"}
 
 
@@ -53,7 +54,8 @@ class RestoreOptions:
     ``items=`` and ``item=`` are the old names of ``only=`` and ``orbax_item=`` (they warn).
 
     >>> RestoreOptions(only=["model"], max_host_bytes=0)
-    RestoreOptions(only=('model',), orbax_item=None, ema_as_model=False, free_live=False, max_host_bytes=None, frozen=None)
+    RestoreOptions(only=('model',), orbax_item=None, ema_as_model=False, free_live=False, max_host_bytes=None,
+    frozen=None)
     """
 
     only: tuple[str, ...] | None
@@ -85,7 +87,8 @@ class RestoreOptions:
             )
         if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes < 0):
             raise CheckpointError(
-                f"max_host_bytes is a whole number of bytes >= 0 (0 or None: no limit); got {max_host_bytes!r}."
+                "max_host_bytes is a whole number of bytes >= 0 (0 or None: no limit); got "
+                f"{max_host_bytes!r}."
             )
         for name, value in [
             ("only", None if only is None else tuple(only)),

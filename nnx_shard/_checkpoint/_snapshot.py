@@ -1,4 +1,5 @@
-"""In-memory snapshots: each process's own shards in host memory, and a copy of one peer's that travels through JAX.
+"""In-memory snapshots: each process's own shards in host memory, and a copy of one peer's that travels
+through JAX.
 
 Every ``snapshot_every`` steps each process packs the shards it owns (the
 replica-0 copy of every addressable shard of model, optimizer and EMA) into
@@ -185,7 +186,8 @@ class SnapshotWriter:
         self._premapped: tuple[int, np.ndarray] | None = None  # (inode, pages) of the file the next reuses
 
     def check_space(self, own_bytes: int) -> int:
-        """Bytes the kept snapshots need here (own + peer, times ``keep``); ConfigError when the folder lacks them."""
+        """Bytes the kept snapshots need here (own + peer, times ``keep``); ConfigError when the folder lacks
+        them."""
         sizes = np.asarray(multihost_utils.process_allgather(np.array([own_bytes], np.int64))).ravel()
         source = self.dest.index(jax.process_index())
         need = int((own_bytes + sizes[source]) * self.keep)
@@ -359,7 +361,8 @@ class SnapshotWriter:
             snapshot.error = f"the peer's copy: {e}"
 
     def _publish(self, snapshot: _Snapshot, peer: np.ndarray | None) -> None:
-        """Writes the peer's copy (when another process's), renames the folder ``step-N``, drops older ones."""
+        """Writes the peer's copy (when another process's), renames the folder ``step-N``, drops older
+        ones."""
         tmp, final = snapshot.folder, self.folder / f"step-{snapshot.step}"
         stale = set(tmp.glob("peer-*.bin"))
         if peer is not None:

@@ -38,7 +38,8 @@ Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 
 @dataclasses.dataclass
 class Restored:
-    """A state read from snapshots: the states (onto the live shardings), its step, each old process's data state."""
+    """A state read from snapshots: the states (onto the live shardings), its step, each old process's data
+    state."""
 
     states: dict[str, Any]
     step: int

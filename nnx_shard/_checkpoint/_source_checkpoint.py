@@ -1,4 +1,5 @@
-"""nnx_shard's own checkpoints as a restore's source: a :class:`Checkpointer`, or a directory in its layout."""
+"""nnx_shard's own checkpoints as a restore's source: a :class:`Checkpointer`, or a directory in its
+layout."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _make(obj: Any, options: RestoreOptions) -> CheckpointSource:
     directory = obj.directory if isinstance(obj, Checkpointer) else obj
     if options.orbax_item is not None and epath.Path(directory).exists() and has_steps(directory):
         raise CheckpointFormatError(
-            f"orbax_item={options.orbax_item!r} names an item of a plain Orbax checkpoint; {obj} is nnx_shard's "
+            f"orbax_item={options.orbax_item!r} names an item of a plain Orbax checkpoint; {obj} is "
+            "nnx_shard's "
             f"own, whose objects are chosen with only=[...]."
         )
     return CheckpointSource(obj)

@@ -25,7 +25,8 @@ class ReadRequest:
       step: the step asked for (None: the newest the source has).
       target: the abstract state to read, per object (``jax.ShapeDtypeStruct`` leaves carrying the shardings).
       expected: the structure the source must hold per object (``target`` before ``ema_as_model`` moved it).
-      live: the live states of every object (read only; freed after :meth:`Source.prepare` with ``free_live``).
+      live: the live states of every object (read only; freed after :meth:`Source.prepare` with
+        ``free_live``).
       options: the restore's options.
     """
 
@@ -67,7 +68,8 @@ _REGISTRY: list[tuple[str, Matcher, Maker]] = []
 
 
 def register_source(name: str, matches: Matcher, make: Maker, *, before: str | None = None) -> None:
-    """Adds a kind of source: ``matches(obj)`` says whether it takes ``obj``, ``make(obj, options)`` builds it.
+    """Adds a kind of source: ``matches(obj)`` says whether it takes ``obj``, ``make(obj, options)`` builds
+    it.
 
     Kinds are asked in the order registered (``before`` puts this one ahead of the kind of that name); a
     name registered again replaces its entry.

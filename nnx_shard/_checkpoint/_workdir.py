@@ -32,7 +32,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 class WorkdirLock:
-    """A lock file ``workdir/nnx_shard.lock`` naming its holder (host, pid, start time), kept fresh by a heartbeat.
+    """A lock file ``workdir/nnx_shard.lock`` naming its holder (host, pid, start time), kept fresh by a
+    heartbeat.
 
     A lock whose holder is gone is taken over with a warning: on this host
     when its pid no longer runs, on any host when its heartbeat is older than
@@ -102,13 +103,15 @@ class WorkdirLock:
                 why = self._gone(holder)
                 if why is None:
                     raise WorkdirLockedError(
-                        f"workdir {self.path.parent} is in use by another job: host {holder.get('host', '?')}, "
+                        f"workdir {self.path.parent} is in use by another job: host "
+                        f"{holder.get('host', '?')}, "
                         f"pid {holder.get('pid', '?')}, started {holder.get('started', '?')} (lock file "
                         f"{self.path}, heartbeat {holder['age']:.0f} s ago). Wait for it to end, use another "
                         f"workdir, or delete the lock file if that job is certainly gone."
                     ) from None
                 warnings.warn(
-                    f"taking over the lock of workdir {self.path.parent} from host {holder.get('host', '?')}, "
+                    f"taking over the lock of workdir {self.path.parent} from host "
+                    f"{holder.get('host', '?')}, "
                     f"pid {holder.get('pid', '?')} (started {holder.get('started', '?')}): {why}",
                     CheckpointWarning,
                     stacklevel=3,
@@ -153,6 +156,7 @@ class WorkdirLock:
 
 
 def set_aside_folder(directory: Any, kind: str) -> Any:
-    """Where steps moved out of ``directory`` go: ``<directory>.set_aside/<kind>-<UTC time>``, never read by restores."""
+    """Where steps moved out of ``directory`` go: ``<directory>.set_aside/<kind>-<UTC time>``, never read by
+    restores."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     return directory.parent / f"{directory.name}.set_aside" / f"{kind}-{stamp}"

@@ -1,4 +1,5 @@
-"""Joining JAX's distributed runtime from the environment ``nnx-shard launch`` sets, with short failure detection."""
+"""Joining JAX's distributed runtime from the environment ``nnx-shard launch`` sets, with short failure
+detection."""
 
 from __future__ import annotations
 

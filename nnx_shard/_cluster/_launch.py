@@ -199,7 +199,8 @@ def launch(
     max_restarts: int = 0,
     grace_s: float = 10.0,
 ) -> int:
-    """Runs ``command`` in ``processes`` processes joined by ``jax.distributed``; returns the job's exit status.
+    """Runs ``command`` in ``processes`` processes joined by ``jax.distributed``; returns the job's exit
+    status.
 
     Each process gets ``NNX_SHARD_COORDINATOR`` (a free local port),
     ``NNX_SHARD_NUM_PROCESSES``, ``NNX_SHARD_PROCESS_ID``,

@@ -145,7 +145,8 @@ class DataShard(NamedTuple):
 def data_shard(
     mesh: Mesh, data_axes: Sequence[str] | None = None, *, process: int | None = None
 ) -> DataShard | None:
-    """Which rows of a global batch on ``mesh`` ``process`` (default: this one) passes to :func:`host_local_to_global`.
+    """Which rows of a global batch on ``mesh`` ``process`` (default: this one) passes to
+    :func:`host_local_to_global`.
 
     The processes holding the same rows (model axes across processes) share a shard; processes are
     numbered by their first row. None when the process holds no device of the mesh: it reads no data
@@ -202,7 +203,8 @@ def host_local_to_global(batch: Any, mesh: Mesh, data_axes: Sequence[str] | None
         x = np.asarray(x)
         if x.ndim == 0 or x.shape[0] % local_shards:
             raise LocalSliceError(
-                f"batch leaf {jax.tree_util.keystr(path)!r} of shape {x.shape}: its {x.shape[:1] or 'no'} rows "
+                f"batch leaf {jax.tree_util.keystr(path)!r} of shape {x.shape}: its {x.shape[:1] or 'no'} "
+                "rows "
                 f"cannot be split over the {local_shards} data shards this process holds "
                 f"(data axes {names}); make the per-process batch a multiple of {local_shards}."
             )

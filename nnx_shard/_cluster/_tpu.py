@@ -1,4 +1,5 @@
-"""TPU pods we do not have: their devices, compile-only, and what a compiled program holds and sends on each chip.
+"""TPU pods we do not have: their devices, compile-only, and what a compiled program holds and sends on each
+chip.
 
 With ``libtpu`` installed (``pip install 'nnx-shard[tpu]'``), JAX describes any
 TPU topology (``jax.experimental.topologies``) and XLA's TPU compiler compiles
@@ -189,7 +190,8 @@ class CompileReport:
     largest: list[str] = dataclasses.field(default_factory=list)
 
     def table(self) -> str:
-        """The report as lines: the chip, its HBM, each figure, the headroom and ``fits: yes`` or ``fits: no``."""
+        """The report as lines: the chip, its HBM, each figure, the headroom and ``fits: yes`` or ``fits:
+        no``."""
         f = lambda n: "-" if n is None else format_bytes(n)
         lines = [f"{self.devices} x {self.device_kind}, HBM {f(self.hbm_bytes)} per chip"]
         for name in (

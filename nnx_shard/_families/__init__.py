@@ -1,4 +1,5 @@
-"""Model families from Hugging Face: their configs read as transformers 4.x and 5.x write them, and tunix's classes with the RoPE the checkpoint states."""
+"""Model families from Hugging Face: their configs read as transformers 4.x and 5.x write them, and tunix's
+classes with the RoPE the checkpoint states."""
 
 from nnx_shard._families._configs import TABLE, decoder, gemma, gemma3, head_dim, refuse
 from nnx_shard._families._models import ROPE_MODELS, rope_model

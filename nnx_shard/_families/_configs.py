@@ -1,4 +1,5 @@
-"""A Hugging Face ``config.json`` read into google-tunix's ModelConfig fields: each field that changes the forward pass carried, or refused by name.
+"""A Hugging Face ``config.json`` read into google-tunix's ModelConfig fields: each field that changes the
+forward pass carried, or refused by name.
 
 Each family's reader returns the fields of tunix's ``ModelConfig`` (plus
 ``rope_kind`` / ``rope_parameters`` for the classes of :mod:`._models`), and

@@ -1,4 +1,5 @@
-"""google-tunix's Llama 3 and Qwen 3 with the RoPE their checkpoints state: any theta, linear and llama3 scaling.
+"""google-tunix's Llama 3 and Qwen 3 with the RoPE their checkpoints state: any theta, linear and llama3
+scaling.
 
 tunix's ``Llama3`` and ``Qwen3`` call their module's ``apply_rope`` without the
 config's theta, so every checkpoint runs at 1e6 (Llama 3's is 5e5), and they have

@@ -1,4 +1,5 @@
-"""Rotary position embeddings as a checkpoint's ``config.json`` states them, in transformers 4.x and 5.x, and their frequencies.
+"""Rotary position embeddings as a checkpoint's ``config.json`` states them, in transformers 4.x and 5.x, and
+their frequencies.
 
 transformers 4.x writes ``rope_theta`` and ``rope_scaling`` at the top level
 (Gemma 3 adds ``rope_local_base_freq`` for its sliding layers); transformers 5.x
@@ -111,7 +112,8 @@ def inverse_frequencies(rope: Rope, head_dim: int) -> np.ndarray:
 
 
 def apply_rope(inputs: Any, positions: Any, head_dim: int, rope_theta: Any = None, *, inv_freq: Any) -> Any:
-    """google-tunix's ``apply_rope`` (rotate-half, the same order of operations) with given inverse frequencies.
+    """google-tunix's ``apply_rope`` (rotate-half, the same order of operations) with given inverse
+    frequencies.
 
     ``head_dim`` and ``rope_theta`` are tunix's arguments, taken so that this replaces its function as called;
     the frequencies come from ``inv_freq`` alone.

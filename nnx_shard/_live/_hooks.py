@@ -1,14 +1,16 @@
-"""ShardingHooks: the one owner of (strategy, mesh, plan, live objects); places them on init, restore and resize."""
+"""ShardingHooks: the one owner of (strategy, mesh, plan, live objects); places them on init, restore and
+resize."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh
 
-from nnx_shard._base import as_state
+from nnx_shard._base import TrainingState, as_state
 from nnx_shard._checkpoint import (
     Checkpointer,
     LoadedState,
@@ -29,24 +31,30 @@ logger = logging.getLogger("nnx_shard")
 
 
 class LiveObjects(Mapping[str, Any]):
-    """The live objects that :meth:`ShardingHooks.on_init` returns: every read syncs them with the last
-    :meth:`ShardingHooks.update` first, so the mapping is never stale (an object taken out of it earlier is
-    brought up to date by the next read, or by ``hooks.sync()``)."""
+    """The live training state that :meth:`ShardingHooks.on_init` returns: every read (``objects.model``, or
+    ``objects["model"]`` as a mapping) syncs it with the last :meth:`ShardingHooks.update` first, so it is
+    never stale (an object taken out of it earlier is brought up to date by the next read, or by
+    ``hooks.sync()``)."""
 
     def __init__(self, hooks: ShardingHooks):
         self._hooks = hooks
 
     def __getitem__(self, key: str) -> Any:
-        return self._hooks.objects[key]
+        return self._hooks.training_state[key]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._hooks.training_state, name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._hooks.objects)
+        return iter(self._hooks.training_state)
 
     def __len__(self) -> int:
-        return len(self._hooks.objects)
+        return len(self._hooks.training_state)
 
     def __repr__(self) -> str:
-        return f"LiveObjects({sorted(self._hooks.objects)})"
+        return f"LiveObjects({sorted(self._hooks.training_state)})"
 
 
 class ShardingHooks:
@@ -71,13 +79,15 @@ class ShardingHooks:
 
     >>> import optax
     >>> from nnx_shard import create_mesh
-    >>> hooks = ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+    >>> strategy = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+    >>> hooks = ShardingHooks(strategy, create_mesh((8,), ("fsdp",)))
+    >>> from nnx_shard import TrainingState
     >>> def create():
     ...     model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
-    ...     return {"model": model, "optimizer": nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
-    ...             "ema": nnx.EMA(model, decay=0.9)}
-    >>> objects = hooks.on_init(create)
-    >>> objects["ema"].params["kernel"].get_value().sharding.spec
+    ...     return TrainingState(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+    ...                          nnx.EMA(model, decay=0.9))
+    >>> state = hooks.on_init(create)
+    >>> state.ema.params["kernel"].get_value().sharding.spec
     P(None, 'fsdp')
     """
 
@@ -93,7 +103,7 @@ class ShardingHooks:
         self._mesh = mesh
         self._strict = strict
         self.barrier_timeout = barrier_timeout
-        self._objects: dict[str, Any] | None = None
+        self._objects: TrainingState | None = None
         self._pending: dict[str, Any] | None = None
         self._plan: ShardingPlan | None = None
 
@@ -123,10 +133,22 @@ class ShardingHooks:
         return self.plan.shardings
 
     @property
-    def objects(self) -> dict[str, Any]:
-        """The live objects, up to date with the last :meth:`update` (reading them calls :meth:`sync`)."""
+    def training_state(self) -> TrainingState:
+        """The live training state (``.model``, ``.optimizer``, ``.ema`` and any other parts), up to date with
+        the last :meth:`update` (reading it calls :meth:`sync`)."""
         self.sync()
-        return dict(self._objects)
+        return self._objects
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """Deprecated: :attr:`training_state`, which reads as the same mapping."""
+        warnings.warn(
+            "ShardingHooks.objects is now ShardingHooks.training_state (a TrainingState: .model, .optimizer, "
+            ".ema; it reads as the same mapping).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return dict(self.training_state)
 
     def sync(self) -> None:
         """Writes the states given to :meth:`update` into the live objects the user holds."""
@@ -153,7 +175,7 @@ class ShardingHooks:
         so a loop that passes states from step to step pays nothing per step.
         """
         self._require("live objects")
-        if states.keys() == self._objects.keys():  # a step's output: every object (the loop's case)
+        if set(states) == set(self._objects):  # a step's output: every object (the loop's case)
             self._pending = dict(states)
             return
         check_keys(states, self._objects, "states for {unknown}, which are not among the objects {objects}.")
@@ -173,8 +195,8 @@ class ShardingHooks:
         """Creates the objects sharded from ``create()``, or moves existing ``objects`` into place.
 
         Args:
-          create: returns ``{"model": ..., "optimizer": ..., "ema": ...}``; run
-            abstractly, then under jit so no device holds an unsharded array.
+          create: returns a :class:`~nnx_shard.TrainingState` (or ``{"model": ..., "optimizer": ..., "ema":
+            ...}``); run abstractly, then under jit so no device holds an unsharded array.
           objects: existing objects to move onto the inferred shardings instead.
 
         Returns:
@@ -187,7 +209,7 @@ class ShardingHooks:
             )
         if create is not None:
             made, plan = create_sharded(create, self._strategy, self._mesh, strict=self._strict)
-            self._objects, self._plan, self._pending = dict(made), plan, None
+            self._objects, self._plan, self._pending = TrainingState.of(made), plan, None
         else:
             self.adopt(objects)
             self._write(reshard(self.states(), self._plan.shardings, donate=True))
@@ -200,7 +222,7 @@ class ShardingHooks:
         Use it to restore into objects built elsewhere (the restore then puts
         every array in place).
         """
-        self._objects, self._pending = dict(objects), None
+        self._objects, self._pending = TrainingState.of(objects), None
         self._plan = plan_sharding(self._objects, self._strategy, self._mesh, strict=self._strict)
         return LiveObjects(self)
 
@@ -312,7 +334,8 @@ class ShardingHooks:
 
         >>> import optax
         >>> from nnx_shard import create_mesh
-        >>> hooks = ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], create_mesh((8,), ("fsdp",)))
+        >>> strategy = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+        >>> hooks = ShardingHooks(strategy, create_mesh((8,), ("fsdp",)))
         >>> objects = hooks.on_init(lambda: {"model": nnx.Linear(4, 64, rngs=nnx.Rngs(0))})
         >>> report = hooks.on_mesh_change(create_mesh((4,), ("fsdp",), devices=jax.devices()[:4]))
         >>> str(report).startswith("moved from 8 devices (fsdp=8) to 4 devices (fsdp=4)")

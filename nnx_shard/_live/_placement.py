@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from nnx_shard._base import (
+    TrainingState,
     abstract_construction,
     as_state,
     flatten_with_paths,
@@ -78,7 +79,8 @@ def _move_device_arrays(plan: list[tuple[str, Any, Sharding | None]]) -> list[ja
 
 
 def _check_leaf(path: str, raw: Any, sharding: Sharding, shape: Any, dtype: Any) -> None:
-    """PlacementError when ``raw`` does not fit its target (shape, dtype, divisibility, addressable devices)."""
+    """PlacementError when ``raw`` does not fit its target (shape, dtype, divisibility, addressable
+    devices)."""
     got_shape = tuple(np.shape(raw))
     if shape is not None and got_shape != shape:
         raise PlacementError(
@@ -88,7 +90,8 @@ def _check_leaf(path: str, raw: Any, sharding: Sharding, shape: Any, dtype: Any)
     got_dtype = getattr(raw, "dtype", None)
     if dtype is not None and got_dtype is not None and np.dtype(got_dtype) != np.dtype(dtype):
         raise PlacementError(
-            f"{path!r} has dtype {got_dtype} but its target has {dtype}. Cast it first (nothing is cast silently)."
+            f"{path!r} has dtype {got_dtype} but its target has {dtype}. Cast it first (nothing is cast "
+            "silently)."
         )
     problem = _indivisible(sharding, got_shape)
     if problem:
@@ -136,7 +139,8 @@ def place_like_target(tree: Any, target: Any) -> Any:
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> from nnx_shard import create_mesh
     >>> mesh = create_mesh((8,), ("fsdp",))
-    >>> out = place_like_target({"w": np.ones((16, 4)), "n": "tag"}, {"w": NamedSharding(mesh, P("fsdp")), "n": None})
+    >>> target = {"w": NamedSharding(mesh, P("fsdp")), "n": None}
+    >>> out = place_like_target({"w": np.ones((16, 4)), "n": "tag"}, target)
     >>> out["w"].sharding.spec, out["n"]
     (P('fsdp',), 'tag')
     """
@@ -296,7 +300,8 @@ class ShardedInit:
 
 @contextlib.contextmanager
 def _creation(mesh: Mesh, rules: Any, eager: bool | None) -> Iterator[None]:
-    """What Flax's eager sharding needs while a model is created: ``mesh`` in context, the strategy's logical rules in force.
+    """What Flax's eager sharding needs while a model is created: ``mesh`` in context, the strategy's logical
+    rules in force.
 
     With ``eager`` False, Flax's eager sharding is off and no mesh is in
     context (``nnx.eval_shape`` would place the annotations on it): the plan
@@ -321,6 +326,8 @@ def _states(objects: Any) -> Any:
 def _merge(abstract: Any, states: Any) -> Any:
     if is_graph_object(abstract):
         return nnx.merge(nnx.graphdef(abstract), states)
+    if isinstance(abstract, TrainingState):
+        return TrainingState.of({k: _merge(v, states[k]) for k, v in abstract.items()})
     if isinstance(abstract, dict):
         return {k: _merge(v, states[k]) for k, v in abstract.items()}
     if isinstance(abstract, (list, tuple)):

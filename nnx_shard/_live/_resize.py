@@ -1,4 +1,5 @@
-"""Moving a live state onto another mesh: the shardings the strategy infers there, the reshard, and its report."""
+"""Moving a live state onto another mesh: the shardings the strategy infers there, the reshard, and its
+report."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ class ResizeReport:
     """What a mesh change did: device counts before and after, bytes moved against the ideal, peak, time.
 
     >>> print(ResizeReport(8, "fsdp=8", 4, "fsdp=4", 2**30, 2**30, 24 * 2**20, 0.4))
-    moved from 8 devices (fsdp=8) to 4 devices (fsdp=4): 1.00 GiB moved of 1.00 GiB ideal, peak 24.0 MiB per device, 0.40 s
+    moved from 8 devices (fsdp=8) to 4 devices (fsdp=4): 1.00 GiB moved of 1.00 GiB ideal, peak 24.0 MiB per
+    device, 0.40 s
     """
 
     devices_before: int
@@ -37,7 +39,8 @@ class ResizeReport:
         return (
             f"moved from {_devices(self.devices_before, self.mesh_before)} to "
             f"{_devices(self.devices_after, self.mesh_after)}: {format_bytes(self.bytes_moved)} moved of "
-            f"{format_bytes(self.ideal_bytes)} ideal, peak {format_bytes(self.peak_bytes_per_device)} per device, "
+            f"{format_bytes(self.ideal_bytes)} ideal, peak {format_bytes(self.peak_bytes_per_device)} per "
+            "device, "
             f"{self.seconds:.2f} s" + (" (through the host)" if self.through_host else "")
         )
 

@@ -32,7 +32,8 @@ def source_given(where: str, source: Any, old: dict[str, Any]) -> Any:
     (name, value), *rest = given.items()
     if rest or source is not None:
         raise ConflictingArgumentsError(
-            f"{where} reads one source; it got {', '.join(['source', *given] if source is not None else given)}."
+            f"{where} reads one source; it got "
+            f"{', '.join(['source', *given] if source is not None else given)}."
         )
     warnings.warn(
         f"{where}: {name}= is now the first argument, source (every kind of source goes there).",

@@ -39,7 +39,8 @@ AXIS = "nnx_shard_devices"
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One piece: from the block of union device ``src`` at ``offset`` to union device ``dst`` at ``position``."""
+    """One piece: from the block of union device ``src`` at ``offset`` to union device ``dst`` at
+    ``position``."""
 
     src: int
     offset: tuple[int, ...]

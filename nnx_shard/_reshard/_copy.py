@@ -201,7 +201,8 @@ def needs_assembly(schedule: Schedule, k: int) -> bool:
 
 
 def run(xs: list[jax.Array], target: Sharding, donate: bool) -> list[jax.Array]:
-    """Moves ``xs`` (one shape, dtype and sharding) onto ``target``: slice, copy, assemble, within this process."""
+    """Moves ``xs`` (one shape, dtype and sharding) onto ``target``: slice, copy, assemble, within this
+    process."""
     x0, k = xs[0], len(xs)
     shape = tuple(x0.shape)
     plan = _plan(shape, x0.sharding, target)

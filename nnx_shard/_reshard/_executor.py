@@ -133,7 +133,8 @@ def _piece(shards: dict[Any, jax.Array], src: dict[Any, Block], block: Block, de
 
 
 def _pieces(x: jax.Array, target: Sharding) -> jax.Array:
-    """0-d and uneven arrays: each target block from whole shards, or from pieces concatenated on its device."""
+    """0-d and uneven arrays: each target block from whole shards, or from pieces concatenated on its
+    device."""
     shape = tuple(x.shape)
     src = {s.device: block_of_shard(s.index, shape) for s in x.addressable_shards}
     shards = {s.device: s.data for s in x.addressable_shards}

@@ -69,7 +69,8 @@ def find_intermediate_sharding(
     """
     if not isinstance(in_sharding, NamedSharding) or not isinstance(out_sharding, NamedSharding):
         raise NoIntermediateShardingError(
-            f"only NamedSharding is supported; got {type(in_sharding).__name__} -> {type(out_sharding).__name__}."
+            f"only NamedSharding is supported; got {type(in_sharding).__name__} -> "
+            f"{type(out_sharding).__name__}."
         )
     ndim = max(len(in_sharding.spec), len(out_sharding.spec)) if shape is None else len(shape)
     c_in, c_out = _counts(in_sharding, ndim), _counts(out_sharding, ndim)
@@ -110,7 +111,8 @@ def _arrange(
     src_blocks: dict[Any, Block],
     shape: tuple[int, ...],
 ) -> tuple[tuple[int, int], NamedSharding, list[str]]:
-    """The best of a bounded number of mesh-axis orders for an intermediate with these counts, and its score."""
+    """The best of a bounded number of mesh-axis orders for an intermediate with these counts, and its
+    score."""
     axes = [(f"split{d}", k) for d, k in enumerate(counts) if k > 1]
     replica = len(devices) // math.prod(counts)
     if replica > 1:

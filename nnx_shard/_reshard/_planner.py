@@ -27,13 +27,12 @@ class Route(enum.StrEnum):
     """How one leaf gets to its target.
 
     KEEP: already there (same blocks on the same devices). COPY: each missing
-    piece cut out on its holder (one program over the source devices), copied
-    once (one batched ``device_put``) and assembled on its target (one program
-    over the target devices); within a process. COLLECTIVE: one SPMD program
-    over the source and target devices moves each missing piece once with
-    ``ppermute``; for pieces that cross processes, and for transpositions
-    (pieces both cut and assembled), which it writes in place. PIECES: device-to-device copies of whole shards or
-    of their pieces, concatenated on the target device (0-d and uneven arrays).
+    piece cut out on its holder (one program over the source devices), copied once (one batched
+    ``device_put``) and assembled on its target (one program over the target devices); within a process.
+    COLLECTIVE: one SPMD program over the source and target devices moves each missing piece once with
+    ``ppermute``; for pieces that cross processes, and for transpositions (pieces both cut and assembled),
+    which it writes in place. PIECES: device-to-device copies of whole shards or of their pieces, concatenated
+    on the target device (0-d and uneven arrays).
     HOST: the input is host data, placed shard by shard.
     """
 
@@ -101,7 +100,8 @@ class ReshardPlan:
     >>> from nnx_shard import plan_reshard
     >>> devs = jax.devices()
     >>> x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(Mesh(np.array(devs), ("f",)), PartitionSpec("f")))
-    >>> plan = plan_reshard({"a": x, "b": x}, NamedSharding(Mesh(np.array(devs[4:]), ("f",)), PartitionSpec(None, "f")))
+    >>> half = NamedSharding(Mesh(np.array(devs[4:]), ("f",)), PartitionSpec(None, "f"))
+    >>> plan = plan_reshard({"a": x, "b": x}, half)
     >>> plan.bytes_moved == plan.ideal_bytes, plan.through_host
     (True, False)
     """
@@ -151,7 +151,8 @@ class ReshardPlan:
             f"{len(self.leaves)} leaves ({', '.join(f'{k} {v}' for k, v in sorted(routes.items()))}) in "
             f"{len(self.jobs)} steps; moves {format_bytes(self.bytes_moved)} (ideal "
             f"{format_bytes(self.ideal_bytes)}, {ratio:.2f}x); peak per device "
-            f"{format_bytes(self.peak_bytes_per_device)}; through host: {'yes' if self.through_host else 'no'}"
+            f"{format_bytes(self.peak_bytes_per_device)}; through host: "
+            f"{'yes' if self.through_host else 'no'}"
         ) + (
             f"\nper device: sends up to {format_bytes(self.most_sent_per_device)}, receives up to "
             f"{format_bytes(self.most_received_per_device)}; "
@@ -286,8 +287,9 @@ def _collective_route(
 
 
 def plan_leaf(path: str, x: Any, target: Sharding) -> LeafReshard:
-    """The plan of one array: a jax array on any devices of this process, a ``jax.ShapeDtypeStruct`` with
-    a sharding (planned, and its programs compiled, for devices that hold nothing: a TPU pod's), or host data."""
+    """The plan of one array: a jax array on any devices of this process, a ``jax.ShapeDtypeStruct`` with a
+    sharding (planned, and its programs compiled, for devices that hold nothing: a TPU pod's), or host
+    data."""
     shape = tuple(np.shape(x))
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
     src = x.sharding if isinstance(x, jax.Array) or getattr(x, "sharding", None) is not None else None

@@ -1,4 +1,5 @@
-"""From a strategy to a plan: tactics, their parser, logical and explicit axes, inference; nothing allocated."""
+"""From a strategy to a plan: tactics, their parser, logical and explicit axes, inference; nothing
+allocated."""
 
 from nnx_shard._sharding._explicit import auto_axes, auto_axes_on, on_mesh
 from nnx_shard._sharding._inference import infer_sharding, plan_sharding, quiet_planning

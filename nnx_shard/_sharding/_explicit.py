@@ -1,4 +1,5 @@
-"""Explicit mesh axes: running code written for Auto meshes (a model, an optimizer update) over state placed on them.
+"""Explicit mesh axes: running code written for Auto meshes (a model, an optimizer update) over state placed
+on them.
 
 On an Explicit axis every traced value carries its sharding in its type, and
 an op whose result sharding is ambiguous (a matmul over a sharded contracting
@@ -55,7 +56,8 @@ def spec_of(x: Any) -> PartitionSpec:
 
 
 def auto_axes_on(mesh: Mesh, fn: F, out_sharding: Any) -> F:
-    """``fn`` under ``jax.sharding.auto_axes`` over ``mesh``'s Explicit axes, outputs in ``out_sharding``; else ``fn``."""
+    """``fn`` under ``jax.sharding.auto_axes`` over ``mesh``'s Explicit axes, outputs in ``out_sharding``;
+    else ``fn``."""
     axes = explicit_axes(mesh)
     if not axes:
         return fn

@@ -158,7 +158,8 @@ def _mark_stacked(leaf: Leaf, names: Sequence[str]) -> tuple[Spec, list[Note]]:
 
 
 def _leaf_spec(leaf: Leaf, rule: Any, mesh: Mesh, stacked_axis_names: Any) -> tuple[Spec, tuple[Note, ...]]:
-    """The spec ``rule``'s tactic gives ``leaf``, and the notes on it (scalars and unmatched leaves replicated)."""
+    """The spec ``rule``'s tactic gives ``leaf``, and the notes on it (scalars and unmatched leaves
+    replicated)."""
     spec, notes = _mark_stacked(leaf, stacked_axis_names)
     if leaf.ndim == 0:
         notes.append(Note(NoteKind.SCALAR, "scalar: replicated"))
@@ -183,14 +184,6 @@ def _unmatched_error(unmatched: list[Leaf]) -> UnmatchedLeavesError:
         f"{len(unmatched)} leaves match no rule of the strategy:\n{shown}{more}\n"
         f"End the strategy with ('.*', 'replicate') to replicate everything else, or pass strict=False."
     )
-
-
-_RANK = {"model": 0, "optimizer": 1, "opt_state": 1, "ema": 2}
-
-
-def _rank(path: str) -> int:
-    """Where a leaf's top-level object comes in a plan: model, optimizer, EMA, then anything else."""
-    return _RANK.get(path.split("/", 1)[0], 3)
 
 
 def plan_sharding(
@@ -232,7 +225,7 @@ def plan_sharding(
     out: list[NamedSharding | None] = [None] * len(leaves)
     placements: list[LeafPlacement] = []
     # the model's leaves first, then the optimizer's and the EMA's that mirror them: in the plan and in errors
-    for i in sorted(range(len(leaves)), key=lambda i: _rank(leaves[i].path)):
+    for i in sorted(range(len(leaves)), key=lambda i: leaves[i].kind.rank):
         leaf = leaves[i]
         if leaf.shape is None:
             placements.append(LeafPlacement.skipped(leaf))
@@ -255,6 +248,7 @@ def plan_sharding(
                 total_bytes=leaf.nbytes,
                 bytes_per_device=bytes_per_device(sharding, leaf.shape, leaf.dtype),
                 notes=notes,
+                kind=leaf.kind,
             )
         )
     if strict and unmatched:

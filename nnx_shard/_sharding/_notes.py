@@ -1,4 +1,5 @@
-"""Notes: why a leaf stayed replicated (and other soft findings), each of a kind that says how it is logged."""
+"""Notes: why a leaf stayed replicated (and other soft findings), each of a kind that says how it is
+logged."""
 
 from __future__ import annotations
 

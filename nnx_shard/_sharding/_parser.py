@@ -180,7 +180,8 @@ def parse_tactic(text: str) -> Tactic:
 
 
 def as_tactic(tactic: Any) -> Tactic:
-    """A Tactic from a tactic string, a Tactic, a PartitionSpec, a callable, or an object with ``as_tactic()``.
+    """A Tactic from a tactic string, a Tactic, a PartitionSpec, a callable, or an object with
+    ``as_tactic()``.
 
     Objects that know how to act as a tactic (such as
     :class:`nnx_shard.ShardingRule` instances) provide ``as_tactic()``.

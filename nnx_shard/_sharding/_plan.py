@@ -9,7 +9,7 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-from nnx_shard._base import format_bytes, format_table, parse_bytes
+from nnx_shard._base import Kind, format_bytes, format_table, parse_bytes
 from nnx_shard._sharding._notes import Note, NoteKind
 
 
@@ -45,6 +45,7 @@ class LeafPlacement:
     bytes_per_device: int
     notes: tuple[Note, ...] = ()
     label: str | None = None
+    kind: Kind = Kind.STATE
 
     @classmethod
     def skipped(cls, leaf: Any) -> LeafPlacement:
@@ -183,7 +184,8 @@ class ShardingPlan:
         return "\n".join(lines)
 
     def table(self, max_rows: int | None = None) -> str:
-        """One row per leaf: path, shape, dtype, spec, rule, bytes per device, notes (``max_rows`` 0 or None: all)."""
+        """One row per leaf: path, shape, dtype, spec, rule, bytes per device, notes (``max_rows`` 0 or None:
+        all)."""
         max_rows = max_rows or None
         rows = [("path", "shape", "dtype", "spec", "rule", "per device", "notes")]
         shown = self.leaves if max_rows is None else self.leaves[:max_rows]

@@ -1,4 +1,5 @@
-"""A plan as a picture: bytes per device by part of the state against a budget, and the largest leaves' layouts."""
+"""A plan as a picture: bytes per device by part of the state against a budget, and the largest leaves'
+layouts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import format_bytes
+from nnx_shard._base import Kind, format_bytes
 from nnx_shard.errors import MissingExtraError
 
 PARTS = ("model (trainable)", "model (frozen)", "model", "optimizer", "EMA", "other")
@@ -21,10 +22,9 @@ COLORS |= {"EMA": "#55a868", "other": "#8c8c8c"}
 
 
 def _part(leaf: Any) -> str:
-    group = leaf.path.split("/", 1)[0]
-    if group == "model":
+    if leaf.kind is Kind.MODEL:
         return f"model ({leaf.label})" if leaf.label in ("trainable", "frozen") else "model"
-    return {"optimizer": "optimizer", "opt_state": "optimizer", "ema": "EMA"}.get(group, "other")
+    return {Kind.OPTIMIZER: "optimizer", Kind.EMA: "EMA"}.get(leaf.kind, "other")
 
 
 def _shard_ids(leaf: Any, mesh: Any) -> np.ndarray:

@@ -1,11 +1,10 @@
 """Sharding tactics: replicate, fsdp, shard_dim, spec, annotated, chained with ``|``.
 
-A tactic is a callable ``(cur_spec, mesh, name, leaf) -> spec`` where a spec is
-a tuple with one entry per dimension (``None``, an axis name, or a tuple of
-axis names); a tactic with something to say (why a leaf stayed replicated)
-returns ``Noted(spec, notes)`` instead, and planning keeps the notes. Tactics chain with ``|``; the next one starts from the spec the
-previous one returned. Strings name tactics through the parser and registry
-in :mod:`nnx_shard._sharding._parser`.
+A tactic is a callable ``(cur_spec, mesh, name, leaf) -> spec`` where a spec is a tuple with one entry per
+dimension (``None``, an axis name, or a tuple of axis names); a tactic with something to say (why a leaf
+stayed replicated) returns ``Noted(spec, notes)`` instead, and planning keeps the notes. Tactics chain with
+``|``; the next one starts from the spec the previous one returned. Strings name tactics through the parser
+and registry in :mod:`nnx_shard._sharding._parser`.
 """
 
 from __future__ import annotations
@@ -167,7 +166,8 @@ class _Fsdp(Tactic):
         check_axes(self.axes, mesh, leaf, str(self))
         # A step that would shard nothing never conflicts (as in big_vision).
         if leaf.nbytes <= self.min_size_to_shard_mb * 2**20:
-            why = f"fsdp: replicated, {leaf.nbytes} bytes is below min_size_to_shard_mb={self.min_size_to_shard_mb}"
+            minimum = self.min_size_to_shard_mb
+            why = f"fsdp: replicated, {leaf.nbytes} bytes is below min_size_to_shard_mb={minimum}"
             return Noted(cur_spec, (Note(NoteKind.BELOW_MIN_SIZE, why),))
         size = entry_size(mesh.shape, self.axes)
         # Largest dimension first; among equal sizes the last one (the output
@@ -176,7 +176,8 @@ class _Fsdp(Tactic):
             if cur_spec[i] is None and leaf.shape[i] % size == 0:
                 _check_unused(self.axes, cur_spec, leaf, str(self))
                 return cur_spec[:i] + (_entry(self.axes),) + cur_spec[i + 1 :]
-        why = f"fsdp: replicated, no free dimension of {leaf.shape} is divisible by {'x'.join(self.axes)}={size}"
+        axes = "x".join(self.axes)
+        why = f"fsdp: replicated, no free dimension of {leaf.shape} is divisible by {axes}={size}"
         return Noted(cur_spec, (Note(NoteKind.NO_DIVISIBLE_DIM, why),))
 
     def __str__(self) -> str:
@@ -312,7 +313,8 @@ def stacked(dim: int = 0) -> Tactic:
 
 
 def fit_spec(spec: Any, cur_spec: Spec, leaf: Leaf, tactic: str) -> tuple[Spec, list[Note]]:
-    """A tactic's full spec fitted to the leaf: longer specs trimmed (and noted), dimensions kept whole respected."""
+    """A tactic's full spec fitted to the leaf: longer specs trimmed (and noted), dimensions kept whole
+    respected."""
     out, trimmed = trim_spec(spec, leaf.ndim, leaf.describe())
     notes = []
     if trimmed:

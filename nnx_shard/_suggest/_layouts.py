@@ -1,4 +1,5 @@
-"""Candidate layouts as rule lists (replicated, EMA or ZeRO-1 sharded, fsdp by size, tensor axes), each costed.
+"""Candidate layouts as rule lists (replicated, EMA or ZeRO-1 sharded, fsdp by size, tensor axes), each
+costed.
 
 Bytes are exact: each layout is planned with :func:`nnx_shard.plan_sharding`.
 Traffic is a model of the step, per device, ring collectives over the ``n``
@@ -22,7 +23,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from nnx_shard._base import entry_axes, flatten_leaves, format_bytes, normalize_spec
+from nnx_shard._base import Kind, entry_axes, flatten_leaves, format_bytes, normalize_spec
 from nnx_shard._cluster import DATA_AXES
 from nnx_shard._sharding import ShardingPlan, plan_sharding, quiet_planning
 
@@ -32,7 +33,8 @@ TRAFFIC_KINDS = ("gradient all-reduce", "parameter all-gathers", "gradient reduc
 
 @dataclasses.dataclass
 class Layout:
-    """One candidate: its rules (each with why), its plan, bytes on the fullest device and traffic per step."""
+    """One candidate: its rules (each with why), its plan, bytes on the fullest device and traffic per
+    step."""
 
     name: str
     rules: list[tuple[str, str]]
@@ -50,27 +52,40 @@ class Layout:
 
     def describe(self, budget: int | None) -> str:
         over = "" if budget is None or self.state_bytes <= budget else " (over the budget)"
-        return f"{self.name}: {format_bytes(self.state_bytes)} per device{over}, sends ~{format_bytes(self.traffic_bytes)} per step"
+        state, sends = format_bytes(self.state_bytes), format_bytes(self.traffic_bytes)
+        return f"{self.name}: {state} per device{over}, sends ~{sends} per step"
 
 
 def _axes_text(axes: Sequence[str]) -> str:
     return repr(axes[0]) if len(axes) == 1 else repr(tuple(axes))
 
 
-def _groups(plan: ShardingPlan) -> set[str]:
-    return {p.path.split("/", 1)[0] for p in plan.leaves}
+def _groups(plan: ShardingPlan) -> dict[Kind, list[str]]:
+    """The names of the training state's parts, by kind (``{Kind.EMA: ["ema"], ...}``)."""
+    out: dict[Kind, list[str]] = {}
+    for p in plan.leaves:
+        name = p.path.split("/", 1)[0]
+        if name not in out.setdefault(p.kind, []):
+            out[p.kind].append(name)
+    return out
+
+
+def _prefix(names: list[str]) -> str:
+    """A regex of paths under any of ``names``: ``^ema/``, ``^(optimizer|ema)/``."""
+    return f"^{names[0]}/" if len(names) == 1 else f"^({'|'.join(names)})/"
 
 
 def state_roles(state: Any) -> tuple[set[str], dict[str, str]]:
     """The model's trained parameters (those an optimizer's state mirrors; all, without an optimizer), and
     for each optimizer leaf the parameter it mirrors."""
     leaves = flatten_leaves(state)[0]
-    grouped = any(leaf.path.startswith("model/") for leaf in leaves)
-    param = lambda mirror: f"model/{mirror}" if grouped else mirror
+    models = [leaf.path.split("/", 1)[0] for leaf in leaves if leaf.kind is Kind.MODEL]
+    grouped = bool(models)
+    param = lambda mirror: f"{models[0]}/{mirror}" if grouped else mirror
     optimizer = {
-        leaf.path: param(leaf.mirror) for leaf in leaves if leaf.mirror and leaf.path.startswith("optimizer/")
+        leaf.path: param(leaf.mirror) for leaf in leaves if leaf.mirror and leaf.kind is Kind.OPTIMIZER
     }
-    model = [leaf.path for leaf in leaves if not grouped or leaf.path.startswith("model/")]
+    model = [leaf.path for leaf in leaves if not grouped or leaf.kind is Kind.MODEL]
     trained = {p for p in model if p in set(optimizer.values())} if optimizer else set(model)
     return trained, optimizer
 
@@ -127,39 +142,21 @@ def layouts(state: Any, mesh: Mesh, *, tokens_per_step: int | None = None) -> li
             ["everything replicated: its gradients all-reduced"],
         )
     ]
-    state_groups = [g for g in ("ema", "optimizer") if g in groups]
-    if "ema" in groups:
-        candidates.append(
-            ("EMA sharded", [("^ema/", f"fsdp(axis={D}, min_size_to_shard_mb=0)"), (".*", "replicate()")],
-             [f"EMA state sharded over {D}: each device averages its own slice, no communication per step",
-              "the rest replicated: gradients all-reduced"])
-        )  # fmt: skip
-    if state_groups == ["ema", "optimizer"]:
-        candidates.append(
-            ("ZeRO-1", [("^(optimizer|ema)/", f"fsdp(axis={D}, min_size_to_shard_mb=0)"), (".*", "replicate()")],
-             [f"optimizer and EMA state sharded over {D}: the updated parameters all-gathered each step",
-              "parameters replicated: gradients all-reduced"])
-        )  # fmt: skip
-    sizes = sorted({p.total_bytes for p in replicated.leaves}, reverse=True)
-    thresholds = sorted({_round_mb(s) for s in sizes[: max(1, len(sizes) // 2)]} | {0.0}, reverse=True)[:5]
-    for mb in thresholds:
-        which = f"parameters above {mb:g} MiB (and their" if mb else "every parameter (and its"
-        candidates.append(
-            (f"fsdp above {mb:g} MiB" if mb else "full fsdp", [(".*", f"fsdp(axis={D}, min_size_to_shard_mb={mb:g})")],
-             [f"{which} optimizer and EMA state) sharded over {D}: parameters all-gathered and gradients "
-              f"reduce-scattered instead of all-reduced, the same bytes"])
-        )  # fmt: skip
-    if tensor and tokens_per_step:
-        T = _axes_text(tensor)
-        candidates.append(
-            ("fsdp with tensor axes", [(".*", f"fsdp(axis={D}, min_size_to_shard_mb=0)|fsdp(axis={T}, min_size_to_shard_mb=0)")],
-             [f"parameters sharded over {D} and, on another dimension, over the tensor axes {T}: activations move"])
-        )  # fmt: skip
-    if tensor:
-        candidates.append(
-            ("fsdp over every axis", [(".*", f"fsdp(axis={every}, min_size_to_shard_mb=0)")],
-             [f"every parameter and its state sharded over every mesh axis {every}: the least memory"])
-        )  # fmt: skip
+    ema, optimizer = groups.get(Kind.EMA, []), groups.get(Kind.OPTIMIZER, [])
+    sharded = f"fsdp(axis={D}, min_size_to_shard_mb=0)"
+    if ema:
+        notes = [
+            f"EMA state sharded over {D}: each device averages its own slice, no communication per step",
+            "the rest replicated: gradients all-reduced",
+        ]
+        candidates.append(("EMA sharded", [(_prefix(ema), sharded), (".*", "replicate()")], notes))
+    if ema and optimizer:
+        notes = [
+            f"optimizer and EMA state sharded over {D}: the updated parameters all-gathered each step",
+            "parameters replicated: gradients all-reduced",
+        ]
+        candidates.append(("ZeRO-1", [(_prefix(optimizer + ema), sharded), (".*", "replicate()")], notes))
+    candidates += _fsdp_candidates(replicated, D, every, tensor, tokens_per_step)
     out = []
     for name, rules, why in candidates:
         if rules == replicated.rules:
@@ -168,6 +165,33 @@ def layouts(state: Any, mesh: Mesh, *, tokens_per_step: int | None = None) -> li
             with quiet_planning():  # the candidates' notes are not about rules the user wrote
                 plan = plan_sharding(state, rules, mesh, strict=False)
         out.append(Layout(name, rules, plan, _traffic(plan, roles, data, tokens_per_step), why))
+    return out
+
+
+def _fsdp_candidates(
+    replicated: ShardingPlan, D: str, every: str, tensor: list[str], tokens_per_step: int | None
+) -> list[tuple[str, list[tuple[str, str]], list[str]]]:
+    """The fsdp candidates: above a few size thresholds, with the tensor axes, over every axis."""
+    out = []
+    sizes = sorted({p.total_bytes for p in replicated.leaves}, reverse=True)
+    thresholds = sorted({_round_mb(s) for s in sizes[: max(1, len(sizes) // 2)]} | {0.0}, reverse=True)[:5]
+    for mb in thresholds:
+        which = f"parameters above {mb:g} MiB (and their" if mb else "every parameter (and its"
+        why = (
+            f"{which} optimizer and EMA state) sharded over {D}: parameters all-gathered and gradients "
+            "reduce-scattered instead of all-reduced, the same bytes"
+        )
+        name = f"fsdp above {mb:g} MiB" if mb else "full fsdp"
+        out.append((name, [(".*", f"fsdp(axis={D}, min_size_to_shard_mb={mb:g})")], [why]))
+    if tensor and tokens_per_step:
+        T = _axes_text(tensor)
+        why = f"parameters sharded over {D} and, on another dimension, over the tensor axes {T}: "
+        why += "activations move"
+        rule = f"fsdp(axis={D}, min_size_to_shard_mb=0)|fsdp(axis={T}, min_size_to_shard_mb=0)"
+        out.append(("fsdp with tensor axes", [(".*", rule)], [why]))
+    if tensor:
+        why = f"every parameter and its state sharded over every mesh axis {every}: the least memory"
+        out.append(("fsdp over every axis", [(".*", f"fsdp(axis={every}, min_size_to_shard_mb=0)")], [why]))
     return out
 
 

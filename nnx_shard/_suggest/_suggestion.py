@@ -43,7 +43,8 @@ class Suggestion:
 
     @classmethod
     def of(cls, chosen: Layout, budget: int | None, candidates: list[Layout], **kwargs: Any) -> Suggestion:
-        """The suggestion of ``chosen`` among ``candidates`` (``kwargs``: ``attempts``, ``compiled``, ``traffic``)."""
+        """The suggestion of ``chosen`` among ``candidates`` (``kwargs``: ``attempts``, ``compiled``,
+        ``traffic``)."""
         kwargs.setdefault("traffic", dict(chosen.traffic))
         return cls(
             rules=list(chosen.rules),
@@ -64,7 +65,8 @@ class Suggestion:
         budget = f" (budget {format_bytes(self.budget)})" if self.budget is not None else ""
         mesh = self.plan.mesh
         head = (
-            f"# nnx_shard.suggest: {self.layout}, {format_bytes(self.state_bytes)} of state per device{budget} "
+            f"# nnx_shard.suggest: {self.layout}, {format_bytes(self.state_bytes)} of state per "
+            f"device{budget} "
             f"on {mesh.devices.size} devices ({describe_mesh(mesh)})"
         )
         lines = [head, "rules = ["]
@@ -87,13 +89,15 @@ def _saved(plan: ShardingPlan, rule: int) -> str:
 
 
 def default_budget(mesh: Mesh) -> int | None:
-    """The chip's memory less :data:`ACTIVATION_RESERVE` for activations (None where the chip says nothing)."""
+    """The chip's memory less :data:`ACTIVATION_RESERVE` for activations (None where the chip says
+    nothing)."""
     hbm = hbm_bytes(mesh.devices.flat[0])
     return None if hbm is None else int(hbm * (1 - ACTIVATION_RESERVE))
 
 
 def choose(candidates: list[Layout], budget: int | None, key: Any = None) -> Layout:
-    """The fitting layout that sends least (the first, the simplest, among equals); NoLayoutFitsError if none fits."""
+    """The fitting layout that sends least (the first, the simplest, among equals); NoLayoutFitsError if none
+    fits."""
     fitting = [c for c in candidates if budget is None or c.state_bytes <= budget]
     if not fitting:
         smallest = min(candidates, key=lambda c: c.state_bytes)
@@ -101,7 +105,8 @@ def choose(candidates: list[Layout], budget: int | None, key: Any = None) -> Lay
         shown = ", ".join(f"{p.path} {format_bytes(p.bytes_per_device)}" for p in largest)
         raise NoLayoutFitsError(
             f"no layout fits {format_bytes(budget)} per device: the smallest any reaches is "
-            f"{format_bytes(smallest.state_bytes)} ({smallest.name}); the largest leaves per device are {shown}. "
+            f"{format_bytes(smallest.state_bytes)} ({smallest.name}); the largest leaves per device are "
+            f"{shown}. "
             f"Give a larger budget, more devices, or a lower-precision optimizer state."
         )
     return min(fitting, key=key or (lambda c: c.traffic_bytes))
@@ -122,7 +127,8 @@ def suggest(
     chip's memory less :data:`ACTIVATION_RESERVE`, elsewhere no limit.
 
     Raises:
-      NoLayoutFitsError: no candidate fits; names the smallest bytes per device reached and the largest leaves.
+      NoLayoutFitsError: no candidate fits; names the smallest bytes per device reached and the largest
+        leaves.
 
     >>> import optax
     >>> from nnx_shard import create_mesh, suggest

@@ -1,4 +1,5 @@
-"""A Trainer's own train step compiled ahead of time for other devices (a TPU pod from a laptop), on abstract state."""
+"""A Trainer's own train step compiled ahead of time for other devices (a TPU pod from a laptop), on abstract
+state."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def compile_step(
     devices: Sequence[Any],
     batch: Any,
 ) -> CompileReport:
-    """A Trainer's step compiled for ``devices`` on abstract state: see :meth:`nnx_shard.Trainer.compile_report`.
+    """A Trainer's step compiled for ``devices`` on abstract state: see
+    :meth:`nnx_shard.Trainer.compile_report`.
 
     ``create`` builds the model, optimizer and EMA (run abstractly, nothing
     allocated); ``config.mesh`` is laid over ``devices`` and
@@ -49,7 +51,8 @@ def compile_step(
     ...     def create_model(self, rngs): return nnx.Linear(16, 16, rngs=rngs)
     ...     def create_optimizer(self): return optax.adam(1e-3)
     ...     def loss_fn(self, model, batch): return (model(batch["x"]) ** 2).mean()
-    >>> report = Tiny({"mesh": "fsdp:-1"}).compile_report(jax.devices(), {"x": jax.ShapeDtypeStruct((64, 16), np.float32)})
+    >>> batch = {"x": jax.ShapeDtypeStruct((64, 16), np.float32)}
+    >>> report = Tiny({"mesh": "fsdp:-1"}).compile_report(jax.devices(), batch)
     >>> report.devices, report.state_bytes > 0, "all-reduce" in report.collectives
     (8, True, True)
     """

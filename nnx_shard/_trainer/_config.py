@@ -208,7 +208,8 @@ def _check_keys(defaults: Mapping[str, Any], given: Mapping[str, Any], where: st
 
 
 def _renamed(values: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` with the keys renamed on 2026-11-27 under their new names, each with a DeprecationWarning."""
+    """``values`` with the keys renamed on 2026-11-27 under their new names, each with a
+    DeprecationWarning."""
     out = dict(values)
     for old, new in RENAMED.items():
         if old in out and old not in base:
@@ -218,7 +219,8 @@ def _renamed(values: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, An
                     f"give {new!r} only."
                 )
             warnings.warn(
-                f"config key {old!r} is now {new!r} (the Checkpointer's and the restore's name); {old!r} is read "
+                f"config key {old!r} is now {new!r} (the Checkpointer's and the restore's name); {old!r} is "
+                "read "
                 f"as {new!r} and will be refused in a later release.",
                 DeprecationWarning,
                 stacklevel=4,
@@ -329,7 +331,8 @@ def check_strategy(strategy: Any) -> None:
 
 
 def config_mesh(value: Any) -> Mesh:
-    """``config.mesh`` as a Mesh: a Mesh is taken as it is (any devices, order, axis types); a string is parsed."""
+    """``config.mesh`` as a Mesh: a Mesh is taken as it is (any devices, order, axis types); a string is
+    parsed."""
     if isinstance(value, Mesh):
         return value
     if isinstance(value, str):

@@ -127,7 +127,8 @@ def move_to_shard(iterator: Any, shard: DataShard) -> bool:
     warnings.warn(
         f"the {type(iterator).__qualname__} iterator is elastic but cannot be moved onto data shard "
         f"{shard.index} of {shard.count}: it has no reshard(shard_index, shard_count) method, so its batches "
-        f"keep the rows of the shard it was made for. Give it one, or read with grain.experimental.ElasticIterator.",
+        "keep the rows of the shard it was made for. Give it one, or read with "
+        "grain.experimental.ElasticIterator.",
         DataPositionWarning,
         stacklevel=3,
     )
@@ -155,9 +156,11 @@ def state_for_this_process(states: list[Any] | None, *, elastic: bool = False, i
     else:
         why = "its position is per process (it is not elastic)"
     warnings.warn(
-        f"the data position was saved by {len(states)} process{'es' if len(states) != 1 else ''} and this run "
+        f"the data position was saved by {len(states)} process{'es' if len(states) != 1 else ''} and this "
+        "run "
         f"has {jax.process_count()}: the {what} iterator's cannot be mapped onto them ({why}), so it starts "
-        f"again from its beginning: examples already seen are read again and others are skipped. To resume at "
+        "again from its beginning: examples already seen are read again and others are skipped. To resume "
+        "at "
         f"the example where the run stopped, read the data with grain.experimental.ElasticIterator(dataset, "
         f"global_batch_size, grain.sharding.ShardOptions(jax.process_index(), jax.process_count())), an "
         f"iterator with elastic = True, or a step -> batch callable.",
@@ -227,7 +230,8 @@ def examples(batch: Any) -> int:
 
 
 def tokens(batch: Any) -> int | None:
-    """Tokens a host-local batch says it holds: ``num_tokens`` (host data), else the size of ``tokens``/``input_ids``.
+    """Tokens a host-local batch says it holds: ``num_tokens`` (host data), else the size of
+    ``tokens``/``input_ids``.
 
     >>> tokens({"input_ids": np.zeros((4, 128))}), tokens({"num_tokens": np.array([100, 28]), "x": 0})
     (512, 128)
@@ -264,7 +268,8 @@ def _batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def global_batch(batch: Any, mesh: Mesh) -> Any:
-    """A host-local batch (numpy) as a global batch on ``mesh``'s data axes; global arrays there pass through."""
+    """A host-local batch (numpy) as a global batch on ``mesh``'s data axes; global arrays there pass
+    through."""
     target = _batch_sharding(mesh)
     leaves = jax.tree.leaves(batch)
     if leaves and all(isinstance(x, jax.Array) and x.sharding == target for x in leaves):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_shard._base import check_model, flatten_with_paths
+from nnx_shard._base import TrainingState, check_model, flatten_with_paths
 
 logger = logging.getLogger("nnx_shard")
 
@@ -30,6 +30,13 @@ def resolve_wrt(wrt: Any, model: Any) -> Any:
     return wrt
 
 
+def training_state(model: Any, tx: Any, wrt: Any, ema_decay: float | None) -> TrainingState:
+    """A Trainer's state: the model, its ``nnx.Optimizer`` of ``wrt``, and the EMA of ``wrt`` (None without a
+    decay)."""
+    ema = nnx.EMA(model, decay=ema_decay, only=wrt) if ema_decay is not None else None
+    return TrainingState(model, nnx.Optimizer(model, tx, wrt=wrt), ema)
+
+
 def _count(n: int) -> str:
     for scale, unit in ((1e9, " B"), (1e6, " M"), (1e3, " K")):
         if n >= scale:
@@ -43,7 +50,8 @@ def trainable_summary(model: Any, wrt: Any, chosen: bool, pretrained: bool) -> t
     ``chosen``: ``Trainer.wrt`` was set; ``pretrained``: ``load_pretrained`` loaded weights. A fine-tune whose
     ``wrt`` fell back to every parameter (no LoRA parameter in the model) is a WARNING.
 
-    >>> summary = trainable_summary(nnx.LoRALinear(100, 10, lora_rank=1, rngs=nnx.Rngs(0)), nnx.LoRAParam, False, True)
+    >>> model = nnx.LoRALinear(100, 10, lora_rank=1, rngs=nnx.Rngs(0))
+    >>> summary = trainable_summary(model, nnx.LoRAParam, False, True)
     >>> summary[1]
     'training 9.82% of 1.12 K parameters (110, nnx.LoRAParam: the LoRA adapters, by default)'
     """

@@ -37,7 +37,8 @@ def new_guard(mesh: Mesh) -> dict[str, jax.Array]:
 
 @dataclasses.dataclass
 class Gate:
-    """While a step is traced: whether it may apply at all, and the flag the update recorded (if it used one)."""
+    """While a step is traced: whether it may apply at all, and the flag the update recorded (if it used
+    one)."""
 
     allow: Any = True
     applied: Any = None
@@ -62,7 +63,8 @@ def current() -> Gate | None:
 
 
 def apply_if_finite(model: Any, optimizer: Any, ema: Any, grads: Any, *, loss: Any, grad_norm: Any) -> Any:
-    """(traced) ``optimizer.update`` and ``ema.update`` under a ``cond`` on finiteness (and the step's gate)."""
+    """(traced) ``optimizer.update`` and ``ema.update`` under a ``cond`` on finiteness (and the step's
+    gate)."""
     gate = current()
     ok = finite({"loss": loss, "grad_norm": grad_norm}) & (True if gate is None else gate.allow)
 
@@ -123,6 +125,7 @@ def read(guard: dict[str, Any], step: int, mode: str, max_consecutive: int) -> V
     if bad >= max_consecutive:  # skipped steps left the state as it was: the run ends where it is
         return Verdict(
             True,
-            f"non-finite loss at steps {first}-{step} ({bad} in a row, max_consecutive_nonfinite={max_consecutive})",
+            f"non-finite loss at steps {first}-{step} ({bad} in a row, "
+            f"max_consecutive_nonfinite={max_consecutive})",
         )
     return Verdict(False)

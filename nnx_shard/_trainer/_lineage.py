@@ -49,7 +49,8 @@ class Lineage:
         self.last_saved = step
 
     def resume_newest(self, restore: Callable[[int], Any], after: int) -> None:
-        """Restores the newest step after ``after`` that reads and verifies; newer ones that fail are set aside.
+        """Restores the newest step after ``after`` that reads and verifies; newer ones that fail are set
+        aside.
 
         When none does, raises :class:`CheckpointCorruptError` listing every
         step and why, and moves nothing: a restart must not start from scratch.

@@ -1,4 +1,5 @@
-"""The global gradient norm: with one collective on CPUs, fused into the step's own passes on GPUs and TPUs."""
+"""The global gradient norm: with one collective on CPUs, fused into the step's own passes on GPUs and
+TPUs."""
 
 from __future__ import annotations
 

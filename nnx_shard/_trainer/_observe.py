@@ -1,4 +1,5 @@
-"""What a training run shows: a progress bar on a terminal, plain lines elsewhere, metrics.jsonl, TensorBoard, events."""
+"""What a training run shows: a progress bar on a terminal, plain lines elsewhere, metrics.jsonl, TensorBoard,
+events."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ class Observer:
                     )  # written out every 10 s and at the end
 
     def announce(self, level: int, text: str) -> None:
-        """A line said once at the start: logged at ``level``, and printed by process 0 unless progress is off."""
+        """A line said once at the start: logged at ``level``, and printed by process 0 unless progress is
+        off."""
         logger.log(level, "%s", text)
         if self.main and self.progress != "off":
             print(text, flush=True)

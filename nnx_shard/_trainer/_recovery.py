@@ -1,20 +1,22 @@
-"""The ``recovered`` event of a job restarted by ``nnx-shard launch``: what it resumed from and where the time went."""
+"""The ``recovered`` event of a job restarted by ``nnx-shard launch``: what it resumed from and where the time
+went."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import ml_collections
 
 from nnx_shard._base import mesh_processes
 from nnx_shard._checkpoint import (
-    Checkpointer,
     Snapshots,
     SnapshotWriter,
     default_snapshot_dir,
@@ -31,24 +33,13 @@ from nnx_shard.errors import NoCheckpointError
 logger = logging.getLogger("nnx_shard")
 
 
-class RecoveryHost(Protocol):
-    """What recovery and snapshots use of the Trainer: its public members; ``step`` is set on a resume."""
+@dataclasses.dataclass
+class Progress:
+    """Where a Trainer's run is: the step (the loop advances it, a restore sets it) and the last eval's
+    metrics."""
 
-    step: int
-    config: ml_collections.ConfigDict
-    workdir: str | None
-    hooks: ShardingHooks
-    checkpointer: Checkpointer | None
-    lineage: Lineage
-    observer: Observer
-
-    @property
-    def timings(self) -> dict[str, float]: ...
-
-    @property
-    def restored_step(self) -> int | None: ...
-
-    def restore_and_reshard(self, step: int | None = None) -> Any: ...
+    step: int = 0
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _env_time(name: str) -> float | None:
@@ -59,24 +50,23 @@ def _env_time(name: str) -> float | None:
 
 
 def recovery_fields(
-    trainer: RecoveryHost, began: float, first_step_s: float, compile_s: float
+    lineage: Lineage, read: float, began: float, first_step_s: float, compile_s: float
 ) -> dict[str, Any] | None:
     """The ``recovered`` event's fields, or None when this run is not a restart.
 
     ``source`` is ``"snapshot"`` or ``"checkpoint"``; the phases are ``detection_s`` (the death
     seen, the other processes stopped), ``relaunch_s`` (from then to the
     first step, less the restore: start, joining, creating the state),
-    ``read_reshard_s``, ``compile_s`` and ``first_step_s`` (the first step
-    without its compile). ``began`` is when the first step began (epoch).
+    ``read_reshard_s``, ``compile_s`` and ``first_step_s`` (the first step without its compile). ``began`` is
+    when the first step began (epoch); ``read`` the seconds the restore took.
     """
     info = launch_info()
     if info is None or info.restart == 0:
         return None
     failed, stopped = _env_time(FAILED_AT), _env_time(STOPPED_AT)
-    read = trainer.timings.get("restore", 0.0)
     return {
-        "source": trainer.lineage.restored_from,
-        "restored_step": trainer.restored_step,
+        "source": lineage.restored_from,
+        "restored_step": lineage.restored_step,
         "restart": info.restart,
         "processes_before": int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0),
         "processes_after": jax.process_count(),
@@ -89,7 +79,8 @@ def recovery_fields(
 
 
 def failed_at() -> float | None:
-    """When ``nnx-shard launch`` saw the death this job restarted after (epoch seconds); None on a first run."""
+    """When ``nnx-shard launch`` saw the death this job restarted after (epoch seconds); None on a first
+    run."""
     return _env_time(FAILED_AT) if is_restart() else None
 
 
@@ -99,111 +90,124 @@ def is_restart() -> bool:
     return info is not None and info.restart > 0
 
 
-def _root(trainer: RecoveryHost) -> Path:
-    """``config.snapshot_dir``, or a folder of this workdir's own under ``/dev/shm``."""
-    job = hashlib.sha256(os.path.abspath(trainer.workdir or "nnx_shard").encode()).hexdigest()[:12]
-    return Path(trainer.config.snapshot_dir or default_snapshot_dir(job))
+class Recovery:
+    """A Trainer's snapshots and restarts: writes in-memory snapshots, resumes a restarted job from them (or
+    from the newest checkpoint), and reports the restart. Holds the few parts of the Trainer it needs."""
 
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        workdir: str | None,
+        hooks: ShardingHooks,
+        lineage: Lineage,
+        observer: Observer,
+        progress: Progress,
+    ):
+        self.config, self.workdir, self.hooks = config, workdir, hooks
+        self.lineage, self.observer, self.progress = lineage, observer, progress
 
-def _previous_folder(trainer: RecoveryHost) -> Path | None:
-    """This process's snapshot folder in the run before this restart (None at first, or for a new process)."""
-    info = launch_info()
-    if info is None or info.restart == 0 or info.previous_id is None:
-        return None
-    return snapshot_folder(_root(trainer), info.restart - 1, info.previous_id)
+    def _root(self) -> Path:
+        """``config.snapshot_dir``, or a folder of this workdir's own under ``/dev/shm``."""
+        job = hashlib.sha256(os.path.abspath(self.workdir or "nnx_shard").encode()).hexdigest()[:12]
+        return Path(self.config.snapshot_dir or default_snapshot_dir(job))
 
+    def _previous_folder(self) -> Path | None:
+        """This process's snapshot folder in the run before this restart (None at first, or a new process)."""
+        info = launch_info()
+        if info is None or info.restart == 0 or info.previous_id is None:
+            return None
+        return snapshot_folder(self._root(), info.restart - 1, info.previous_id)
 
-def resume_from_snapshots(trainer: RecoveryHost) -> Snapshots | None:
-    """On a restart with snapshots on: restores the newest snapshot state newer than every checkpoint.
+    def resume_from_snapshots(self) -> Snapshots | None:
+        """On a restart with snapshots on: restores the newest snapshot state newer than every checkpoint.
 
-    A collective. Returns what was restored (its ``data_states`` are the
-    caller's to use), or None (and nothing changed) when there is none, or
-    when a piece does not read or verify: the caller restores a checkpoint instead.
-    """
-    info = launch_info()
-    if info is None or info.restart == 0 or not trainer.config.snapshot_every:
-        return None
-    began = time.perf_counter()
-    steps = trainer.checkpointer.all_steps() if trainer.checkpointer is not None else []
-    previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
-    # a snapshot of the newest checkpoint's step is preferred: it is read from memory
-    got = Snapshots(_previous_folder(trainer), previous, after=max(steps, default=0) - 1)
-    try:
-        trainer.hooks.restore_and_reshard(got)
-    except NoCheckpointError:  # none complete and verified (every process alike): a checkpoint instead
-        return None
-    trainer.step = got.step
-    trainer.lineage.restored_snapshot(got.step)
-    seconds = time.perf_counter() - began
-    trainer.observer.event("restore", seconds, got.step, source="snapshot", processes_before=previous)
-    return got
+        A collective. Returns what was restored (its ``data_states`` are the caller's to use), or None (and
+        nothing changed) when there is none, or
+        when a piece does not read or verify: the caller restores a checkpoint instead.
+        """
+        info = launch_info()
+        if info is None or info.restart == 0 or not self.config.snapshot_every:
+            return None
+        began = time.perf_counter()
+        checkpointer = self.lineage.checkpointer
+        steps = checkpointer.all_steps() if checkpointer is not None else []
+        previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
+        # a snapshot of the newest checkpoint's step is preferred: it is read from memory
+        got = Snapshots(self._previous_folder(), previous, after=max(steps, default=0) - 1)
+        try:
+            self.hooks.restore_and_reshard(got)
+        except NoCheckpointError:  # none complete and verified (every process alike): a checkpoint instead
+            return None
+        self.progress.step = got.step
+        self.lineage.restored_snapshot(got.step)
+        seconds = time.perf_counter() - began
+        self.observer.event("restore", seconds, got.step, source="snapshot", processes_before=previous)
+        return got
 
+    def resume_auto(self, restore: Callable[[int], Any]) -> Snapshots | None:
+        """``resume="auto"``: a restart's snapshots when newer than every checkpoint (returned: their
+        ``data_states`` are the caller's), else the newest checkpoint that reads and verifies with
+        ``restore(step)`` (None)."""
+        got = self.resume_from_snapshots()
+        if got is None:
+            self.lineage.resume_newest(restore, after=self.progress.step)
+        return got
 
-def resume_auto(trainer: RecoveryHost) -> Snapshots | None:
-    """``resume="auto"``: a restart's snapshots when newer than every checkpoint (returned: their
-    ``data_states`` are the caller's), else the newest checkpoint that reads and verifies (None)."""
-    got = resume_from_snapshots(trainer)
-    if got is None:
-        trainer.lineage.resume_newest(trainer.restore_and_reshard, after=trainer.step)
-    return got
+    def start_snapshots(self) -> SnapshotWriter | None:
+        """The snapshot writer of ``config.snapshot_every`` (None when off), its memory checked and logged.
 
-
-def start_snapshots(trainer: RecoveryHost) -> SnapshotWriter | None:
-    """The snapshot writer of ``config.snapshot_every`` (None when off), its memory checked and logged.
-
-    Raises:
-      ConfigError: the snapshot folder has less free space than the kept snapshots need.
-    """
-    cfg = trainer.config
-    if not cfg.snapshot_every:
-        return None
-    holding = mesh_processes(trainer.hooks.mesh)
-    if len(holding) < jax.process_count():  # a snapshot is a collective of every process, a peer's copy too
-        logger.warning(
-            "in-memory snapshots pause while the mesh leaves %d of %d processes without devices (Trainer.resize);"
-            " checkpoints go on, and snapshots start again on a mesh with every process",
-            jax.process_count() - len(holding),
-            jax.process_count(),
+        Raises:
+          ConfigError: the snapshot folder has less free space than the kept snapshots need.
+        """
+        cfg = self.config
+        if not cfg.snapshot_every:
+            return None
+        holding = mesh_processes(self.hooks.mesh)
+        if len(holding) < jax.process_count():  # a snapshot is a collective of every process, a peer's too
+            logger.warning(
+                "in-memory snapshots pause while the mesh leaves %d of %d processes without devices "
+                "(Trainer.resize); checkpoints go on, and snapshots start again on a mesh with every process",
+                jax.process_count() - len(holding),
+                jax.process_count(),
+            )
+            return None
+        info = launch_info()
+        root = self._root()
+        discard = []
+        if info is not None and info.restart > 0:  # its own, and a lost process's on the same host
+            before = [info.previous_id] if info.previous_id is not None else []
+            discard = [snapshot_folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
+        writer = SnapshotWriter(root, keep=2, run=None if info is None else info.restart, discard=discard)
+        need = writer.check_space(snapshot_own_bytes(self.hooks.states()))
+        logger.info(
+            "snapshots every %d steps in %s: %.1f MiB of host memory here (own and a peer's shards, 2 kept)",
+            cfg.snapshot_every,
+            writer.folder,
+            need / 2**20,
         )
-        return None
-    info = launch_info()
-    root = _root(trainer)
-    discard = []
-    if info is not None and info.restart > 0:  # its own, and a lost process's on the same host
-        before = [info.previous_id] if info.previous_id is not None else []
-        discard = [snapshot_folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
-    writer = SnapshotWriter(root, keep=2, run=None if info is None else info.restart, discard=discard)
-    own = snapshot_own_bytes(trainer.hooks.states())
-    need = writer.check_space(own)
-    logger.info(
-        "snapshots every %d steps in %s: %.1f MiB of host memory here (own and a peer's shards, 2 kept)",
-        cfg.snapshot_every,
-        writer.folder,
-        need / 2**20,
-    )
-    return writer
+        return writer
 
+    def snapshot(self, writer: SnapshotWriter, step: int, batches: _data.Batches | None) -> None:
+        """Starts the snapshot of ``step`` (a collective: every process at the same step) and logs it as an
+        event whose seconds are what the step waited; one due while the last is still written is skipped.
 
-def snapshot(trainer: RecoveryHost, writer: SnapshotWriter, step: int, batches: _data.Batches | None) -> None:
-    """Starts the snapshot of ``step`` (a collective: every process at the same step) and logs it as an
-    event whose seconds are what the step waited; one due while the last is still written is skipped.
-
-    The position of ``batches`` goes with it when they can resume.
-    """
-    began = time.perf_counter()
-    in_flight = writer.in_flight
-    data = _data.encode_state(batches.state()) if batches is not None and batches.resumable else None
-    if writer.write(step, trainer.hooks.states(), data, skip_if_busy=True):
-        own, peer = writer.last_bytes
-        trainer.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)
-        return
-    log = logger.warning if writer.skipped == 1 else logger.info  # said once; the events count them all
-    which = f"the one of step {in_flight}" if in_flight is not None else "another process's last one"
-    log(
-        "the snapshot of step %d was skipped: %s is still being written (%d skipped in this run); a larger "
-        "snapshot_every leaves it time",
-        step,
-        which,
-        writer.skipped,
-    )
-    trainer.observer.event("snapshot_skipped", time.perf_counter() - began, step, skipped=writer.skipped)
+        The position of ``batches`` goes with it when they can resume.
+        """
+        began = time.perf_counter()
+        in_flight = writer.in_flight
+        data = _data.encode_state(batches.state()) if batches is not None and batches.resumable else None
+        if writer.write(step, self.hooks.states(), data, skip_if_busy=True):
+            own, peer = writer.last_bytes
+            self.observer.event("snapshot", time.perf_counter() - began, step, own_bytes=own, peer_bytes=peer)
+            return
+        log = logger.warning if writer.skipped == 1 else logger.info  # said once; the events count them all
+        which = f"the one of step {in_flight}" if in_flight is not None else "another process's last one"
+        log(
+            "the snapshot of step %d was skipped: %s is still being written (%d skipped in this run); a "
+            "larger "
+            "snapshot_every leaves it time",
+            step,
+            which,
+            writer.skipped,
+        )
+        self.observer.event("snapshot_skipped", time.perf_counter() - began, step, skipped=writer.skipped)

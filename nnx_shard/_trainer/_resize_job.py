@@ -82,11 +82,14 @@ class Resizing:
         shard = data_shard(mesh)
         if self.rows != rows and shard is not None:
             raise BatchStructureError(
-                f"the global batch has {self.rows} rows after the resize and had {rows} before it: the data is "
+                f"the global batch has {self.rows} rows after the resize and had {rows} before it: the data "
+                "is "
                 f"still sliced for the processes before it, and the new mesh reads {shard.count} data "
-                f"shard{'s' if shard.count != 1 else ''} (this process reads shard {shard.index}). Slice each "
+                f"shard{'s' if shard.count != 1 else ''} (this process reads shard {shard.index}). Slice "
+                "each "
                 f"step's batch by trainer.data_shard (index, count) instead of jax.process_index() and "
-                f"jax.process_count(), or read with grain.experimental.ElasticIterator, which the Trainer moves "
+                "jax.process_count(), or read with grain.experimental.ElasticIterator, which the Trainer "
+                "moves "
                 f"onto the new shards."
             )
 

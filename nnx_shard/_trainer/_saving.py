@@ -1,21 +1,25 @@
-"""A Trainer's checkpoints: what a save writes (the frozen base left out, the data position) and how a restore reads."""
+"""A Trainer's checkpoints: what a save writes (the frozen base left out, the data position) and how a restore
+reads."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._checkpoint import Checkpointer, RestoreOptions, storable, tree_fingerprints
-from nnx_shard._live import restore_options
+from nnx_shard._base import MODEL
+from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, storable, tree_fingerprints
+from nnx_shard._live import ShardingHooks, restore_options
 from nnx_shard._trainer._data import gather_states
 from nnx_shard._trainer._finetune import frozen_filter
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._observe import Observer
-from nnx_shard.errors import CheckpointError, CheckpointMismatchError
+from nnx_shard._trainer._recovery import Progress, Recovery
+from nnx_shard.errors import CheckpointError, CheckpointMismatchError, ConfigError
 
 
 def states_to_save(
@@ -54,7 +58,8 @@ def frozen_for_restore(checkpointer: Any, step: int | None, items: Any, live_mod
         raise CheckpointMismatchError(
             f"step {meta.get('step')} was saved without its frozen parameters (save_frozen=False), and the "
             f"model's frozen parameters differ from the ones it was trained on: {differ[:8]}"
-            f"{' ...' if len(differ) > 8 else ''}. Load the same base weights (Trainer.load_pretrained) first."
+            f"{' ...' if len(differ) > 8 else ''}. Load the same base weights (Trainer.load_pretrained) "
+            "first."
         )
     return frozen_filter(wrt)
 
@@ -81,23 +86,80 @@ def trainer_options(
     return opts
 
 
-def save_step(
-    checkpointer: Checkpointer, lineage: Lineage, observer: Observer, step: int, states: dict[str, Any],
-    mesh: Mesh, *, config: Any, wrt: Any, batches: Any, metrics: Any, force: bool,
-) -> bool:  # fmt: skip
-    """A Trainer's save: its states (the frozen base left out unless ``save_frozen``), the data position,
-    and a ``save`` or ``save_skipped`` event; the lineage told first and after."""
-    lineage.before_save()
-    extra = {}
-    if batches is not None and batches.resumable:
-        extra["data_state"] = gather_states(batches.state())
-    start, strategy = time.perf_counter(), list(config.sharding_strategy)
-    to_save = states_to_save(states, wrt, config.save_frozen, extra)
-    if not checkpointer.save(
-        step, to_save, metrics=metrics, mesh=mesh, strategy=strategy, extra=extra, force=force
+class Checkpoints:
+    """A Trainer's saves and restores: what a save writes (the frozen base left out, the data position), how a
+    restore reads, and the data position a restore hands to the next ``train()``.
+
+    Holds the few parts of the Trainer it needs: the config, the checkpointer (None without a workdir),
+    the hooks, the lineage, the observer and the progress.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        checkpointer: Checkpointer | None,
+        hooks: ShardingHooks,
+        lineage: Lineage,
+        observer: Observer,
+        progress: Progress,
     ):
-        observer.event("save_skipped", 0.0, step, reason=checkpointer.last_skip_reason or "not written")
-        return False
-    lineage.saved(step)
-    observer.event("save", time.perf_counter() - start, step, **({"metrics": metrics} if metrics else {}))
-    return True
+        self.config, self.checkpointer, self.hooks = config, checkpointer, hooks
+        self.lineage, self.observer, self.progress = lineage, observer, progress
+        self.data_states: list[Any] | None = None  # the data position a restore read, for the next train()
+        self.resumed = False  # resumed (or restored) in this Trainer's life: resume="auto" does nothing more
+
+    def resume_auto(self, recovery: Recovery, restore: Callable[[int], Any]) -> bool:
+        """With ``config.resume="auto"``, once in a Trainer's life: a restart's snapshots, else the newest
+        checkpoint that reads (with ``restore(step)``); True when the state came from snapshots."""
+        if self.config.resume != "auto" or self.resumed or self.checkpointer is None:
+            return False
+        self.resumed, got = True, recovery.resume_auto(restore)
+        if got is not None:
+            self.data_states = got.data_states
+        return got is not None
+
+    def require(self, what: str) -> Checkpointer:
+        if self.checkpointer is None:
+            raise ConfigError(f"no workdir in the config: set config.workdir to {what} checkpoints.")
+        return self.checkpointer
+
+    def save(
+        self, states: dict[str, Any], mesh: Mesh, *, wrt: Any, batches: Any, metrics: Any, force: bool
+    ) -> bool:
+        """Saves ``states`` at the progress's step: without the frozen base unless ``save_frozen``, with the
+        data position, and a ``save`` or ``save_skipped`` event; the lineage told first and after."""
+        checkpointer, step, config = self.require("save"), self.progress.step, self.config
+        self.lineage.before_save()
+        extra = {}
+        if batches is not None and batches.resumable:
+            extra["data_state"] = gather_states(batches.state())
+        start, strategy = time.perf_counter(), list(config.sharding_strategy)
+        to_save = states_to_save(states, wrt, config.save_frozen, extra)
+        if not checkpointer.save(
+            step, to_save, metrics=metrics, mesh=mesh, strategy=strategy, extra=extra, force=force
+        ):
+            reason = checkpointer.last_skip_reason or "not written"
+            self.observer.event("save_skipped", 0.0, step, reason=reason)
+            return False
+        self.lineage.saved(step)
+        self.observer.event(
+            "save", time.perf_counter() - start, step, **({"metrics": metrics} if metrics else {})
+        )
+        return True
+
+    def restore(
+        self, source: Any, step: int | None, options: Any, keywords: dict[str, Any], *, wrt: Any
+    ) -> RestoreReport:
+        """Restores ``source`` (None: this Trainer's checkpoints, whose step, lineage and data position are
+        then taken) through the hooks, as :meth:`nnx_shard.Trainer.restore_and_reshard` describes."""
+        start, own = time.perf_counter(), source is None
+        checkpointer = self.checkpointer if own else None
+        model = self.hooks.states()[MODEL]
+        opts = trainer_options(self.config, checkpointer, step, model, wrt, options, keywords)
+        report = self.hooks.restore_and_reshard(checkpointer if own else source, step=step, options=opts)
+        if own:
+            self.progress.step, self.resumed = report.step, True
+            self.data_states = report.saved.get("data_state")
+            self.lineage.restored(report.step)
+        self.observer.event("restore", time.perf_counter() - start, self.progress.step, report=str(report))
+        return report

@@ -76,7 +76,8 @@ class Relay:
             raise StandbyError(
                 f"process {jax.process_index()} is on standby (it holds no device of the mesh) and lost the "
                 f"processes training: waiting for message {self.read} of resize {self.generation}, JAX's "
-                f"coordination service answered {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"coordination service answered {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}"
             ) from e
         self.read += 1
         return json.loads(raw)

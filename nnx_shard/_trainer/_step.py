@@ -1,4 +1,5 @@
-"""The compiled train step: one jitted program per batch signature, the state donated, non-finite steps not applied."""
+"""The compiled train step: one jitted program per batch signature, the state donated, non-finite steps not
+applied."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ class CompiledSteps:
         return auto_axes_on(self.mesh, step, (specs, PartitionSpec(), PartitionSpec()))
 
     def program(self, batch: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
-        """The step function and its ``jax.jit`` arguments (shardings, donation) for this batch's structure."""
+        """The step function and its ``jax.jit`` arguments (shardings, donation) for this batch's
+        structure."""
         shardings = self.plan.shardings
         replicated = NamedSharding(self.mesh, PartitionSpec())
         batch_shardings = jax.tree.map(lambda _: data_sharding(self.mesh), batch)
@@ -131,7 +133,8 @@ class CompiledSteps:
 
 
 class CompiledEval:
-    """Evaluation compiled once per batch signature: the model (or the EMA's parameters in it) in eval mode."""
+    """Evaluation compiled once per batch signature: the model (or the EMA's parameters in it) in eval
+    mode."""
 
     def __init__(self, steps: CompiledSteps, eval_metrics: Callable[[nnx.Module, Any], dict[str, Any]]):
         self.steps, self.eval_metrics = steps, eval_metrics

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_shard._base import COMPILE_CLOCK, mesh_from_string
+from nnx_shard._base import COMPILE_CLOCK, TrainingState, mesh_from_string
 from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport
 from nnx_shard._cluster import CompileReport, DataShard, data_shard, initialize_distributed
 from nnx_shard._live import ResizeReport, ShardingHooks
@@ -21,16 +20,17 @@ from nnx_shard._suggest import Suggestion
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._aot import compile_step, suggest_layout
 from nnx_shard._trainer._config import config_checkpointer, config_mesh, default_config, merge_config
-from nnx_shard._trainer._finetune import labels, load_weights, resolve_wrt
+from nnx_shard._trainer._finetune import labels, load_weights, resolve_wrt, training_state
 from nnx_shard._trainer._lineage import Lineage
-from nnx_shard._trainer._loop import Callback, TrainingLoop
+from nnx_shard._trainer._loop import Callback, StepFunctions, TrainingLoop
 from nnx_shard._trainer._norm import global_norm, model_shardings
 from nnx_shard._trainer._observe import Observer, injected_learning_rate
-from nnx_shard._trainer._recovery import resume_auto
+from nnx_shard._trainer._recovery import Progress, Recovery
 from nnx_shard._trainer._resize_job import Resizing
-from nnx_shard._trainer._saving import save_step, trainer_options
-from nnx_shard._trainer._step import CompiledEval, CompiledSteps, traced_steps
-from nnx_shard._trainer._views import LiveObject, RenamedMethod
+from nnx_shard._trainer._running import Running
+from nnx_shard._trainer._saving import Checkpoints
+from nnx_shard._trainer._step import CompiledSteps, traced_steps
+from nnx_shard._trainer._views import LiveObject, ObjectsView, ProgressField, RenamedMethod
 from nnx_shard._trainer._watchdog import Watchdog
 from nnx_shard.errors import ConfigError
 
@@ -94,16 +94,16 @@ class Trainer:
         self.workdir = str(cfg.workdir) if cfg.workdir else None
         self.checkpointer: Checkpointer | None = config_checkpointer(cfg)
         self.observer = Observer(self.workdir, self.config.progress, self.config.tensorboard)
-        self.step = 0
-        self.last_eval: dict[str, float] = {}
-        self.loop = TrainingLoop()
-        self._steps: CompiledSteps | None = None  # compiled for the live mesh and plan, from init()
-        self._eval: CompiledEval | None = None
-        self._wrt: Any = None  # the trained subset, resolved against the model when it is created
-        self._data_states: list[Any] | None = None
-        self._resumed = False
-        self._resizing = Resizing()  # which processes hold the mesh, across resizes
         self.lineage = Lineage(self.checkpointer, self.workdir, lock_stale_after=self.config.lock_stale_after)
+        self.progress = Progress()  # the step and the last eval: the loop's and the restores' to change
+        self.recovery = Recovery(cfg, self.workdir, self.hooks, self.lineage, self.observer, self.progress)
+        parts = (cfg, self.progress, self.observer, self.watchdog, self.lineage, self.recovery)
+        self.loop = TrainingLoop(*parts)  # steps, logs, evals, saves, callbacks, preemption
+        parts = (cfg, self.checkpointer, self.hooks, self.lineage, self.observer, self.progress)
+        self.checkpoints = Checkpoints(*parts)  # saves, restores, and the data position between them
+        self._wrt: Any = None  # the trained subset, resolved against the model when it is created
+        self._resizing = Resizing()  # which processes hold the mesh, across resizes
+        self.running = Running(self.hooks, self.observer, self.progress, self._resizing)  # the compiled steps
         COMPILE_CLOCK.start()  # the compile events: how long each new batch signature took
 
     @property
@@ -113,9 +113,9 @@ class Trainer:
 
     @property
     def data_shard(self) -> DataShard | None:
-        """This process's rows of every global batch (:func:`nnx_shard.data_shard`), None on a process the mesh
-        leaves out. A ``step -> batch`` callable that slices by it (not by ``jax.process_index()``) feeds the same
-        global batch after a :meth:`resize` that changes the processes."""
+        """This process's rows of every global batch (:func:`nnx_shard.data_shard`), None on a process the
+        mesh leaves out. A ``step -> batch`` callable that slices by it (not by ``jax.process_index()``) feeds
+        the same global batch after a :meth:`resize` that changes the processes."""
         return data_shard(self.hooks.mesh)
 
     # -- what a subclass gives ------------------------------------------------
@@ -133,12 +133,14 @@ class Trainer:
     wrt: Any = None
 
     def load_pretrained(self, model: nnx.Module) -> Any:
-        """Called once on the new sharded model, before any restore: e.g. ``return ns.load_safetensors(model, ...)``."""
+        """Called once on the new sharded model, before any restore: e.g. ``return ns.load_safetensors(model,
+        ...)``."""
 
     def train_step(
         self, model: nnx.Module, optimizer: Any, ema: nnx.EMA | None, batch: Any
     ) -> dict[str, Any]:
-        """One step, traced under jit: gradients, the update, the EMA; metrics with the global gradient norm."""
+        """One step, traced under jit: gradients, the update, the EMA; metrics with the global gradient
+        norm."""
 
         def loss(model: nnx.Module) -> tuple[Any, dict[str, Any]]:
             out = self.loss_fn(model, batch)
@@ -155,8 +157,15 @@ class Trainer:
         return metrics
 
     def apply_gradients(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, ema: nnx.EMA | None, grads: Any, *, loss: Any, grad_norm: Any
-    ) -> Any:  # fmt: skip
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        ema: nnx.EMA | None,
+        grads: Any,
+        *,
+        loss: Any,
+        grad_norm: Any,
+    ) -> Any:
         """(traced) The optimizer and EMA update, applied only when ``loss`` and ``grad_norm`` are finite.
 
         The update runs under a ``cond``, so a non-finite step changes nothing and a finite one costs
@@ -171,7 +180,7 @@ class Trainer:
         The shardings are those of the step being traced (the live ones, or a
         :meth:`compile_report`'s for other devices).
         """
-        steps = traced_steps() or self._steps
+        steps = traced_steps() or self.running.steps
         return global_norm(grads, model_shardings(steps.plan), steps.mesh)
 
     def eval_metrics(self, model: nnx.Module, batch: Any) -> dict[str, Any]:
@@ -187,7 +196,8 @@ class Trainer:
         return lr if callable(lr) else None
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        """Called with host metrics every ``log_every`` steps, and with the eval metrics (``eval_...``) of an eval step."""
+        """Called with host metrics every ``log_every`` steps, and with the eval metrics (``eval_...``) of an
+        eval step."""
 
     def add_callback(self, fn: Callback, *, every: int = 1) -> None:
         """Runs ``fn(step, metrics, trainer)`` on the host every ``every`` steps (custom logging,
@@ -197,11 +207,15 @@ class Trainer:
         self.loop.add_callback(fn, every)
 
     add_hook = RenamedMethod("add_callback")  # deprecated: ``hooks`` names the state's owner, :attr:`hooks`
-    model = LiveObject("model")  # the live model, read-only (``objects()["model"]``)
+    step = ProgressField()  # the current step: the loop advances it, a restore sets it
+    last_eval = ProgressField()  # the metrics of the last eval
+    model = LiveObject("model")  # the live model, read-only (``training_state.model``)
+    objects = ObjectsView()  # deprecated: ``training_state``, as a dict
     ema = LiveObject("ema")  # the live EMA (None with ``ema_decay=None``), read-only
 
     def request_stop(self, reason: str = "requested") -> None:
-        """Ends ``train()`` after the current step, with a save; ``stop_reason`` says ``stopped: <reason>``."""
+        """Ends ``train()`` after the current step, with a save; ``stop_reason`` says ``stopped:
+        <reason>``."""
         self.loop.request_stop(reason)
 
     @property
@@ -216,13 +230,10 @@ class Trainer:
 
     # -- setup ------------------------------------------------------------------
 
-    def _create(self) -> dict[str, Any]:
+    def _create(self) -> TrainingState:
         model = self.create_model(nnx.Rngs(self.config.seed))
         self._wrt = wrt = resolve_wrt(self.wrt, model)
-        objects = {"model": model, "optimizer": nnx.Optimizer(model, self.create_optimizer(), wrt=wrt)}
-        if self.config.ema_decay is not None:  # of the trained parameters only
-            objects["ema"] = nnx.EMA(model, decay=self.config.ema_decay, only=wrt)
-        return objects
+        return training_state(model, self.create_optimizer(), wrt, self.config.ema_decay)
 
     def init(self) -> None:
         """Creates model, optimizer and EMA already sharded (the hooks' on_init)."""
@@ -232,10 +243,8 @@ class Trainer:
         load_weights(self.load_pretrained, objects, self._wrt, self.wrt is not None, self.observer.announce)
         graphdefs = {k: nnx.graphdef(v) for k, v in objects.items()}
         mode = self.config.on_nonfinite
-        self._compile_for(CompiledSteps(self.mesh, self.hooks.plan, self.train_step, mode, graphdefs))
-
-    def _compile_for(self, steps: CompiledSteps) -> None:
-        self._steps, self._eval = steps, CompiledEval(steps, self.eval_metrics)
+        steps = CompiledSteps(self.mesh, self.hooks.plan, self.train_step, mode, graphdefs)
+        self.running.compile_for(steps, self.eval_metrics)
 
     @property
     def states(self) -> dict[str, Any]:
@@ -245,41 +254,36 @@ class Trainer:
 
     @property
     def plan(self) -> Any:
-        """The sharding plan of model, optimizer and EMA; the model's parameters labelled trainable or frozen."""
+        """The sharding plan of model, optimizer and EMA; the model's parameters labelled trainable or
+        frozen."""
         self.init()
         return self.hooks.plan.with_labels(labels(self.states["model"], self._wrt))
 
-    def objects(self) -> dict[str, Any]:
-        """The live model, optimizer and EMA, brought up to date with the training state."""
+    @property
+    def training_state(self) -> TrainingState:
+        """The live model, optimizer and EMA (``.model``, ``.optimizer``, ``.ema``), up to date with the
+        state."""
         self.init()
-        return self.hooks.objects
+        return self.hooks.training_state
 
     def compiled_step(self, batch: Any) -> Any:
-        """The jitted step for this batch's signature: ``(states, counters, batch) -> (states, counters, metrics)``;
-        the state is donated, ``counters`` are the non-finite step counters (``config.on_nonfinite``, :attr:`guard`)."""
+        """The jitted step for this batch's signature: ``(states, counters, batch) -> (states, counters,
+        metrics)``; the state is donated, ``counters`` are the non-finite step counters
+        (``config.on_nonfinite``, :attr:`guard`)."""
         self.init()
-        return self._steps.get(batch)
+        return self.running.steps.get(batch)
 
     @property
     def guard(self) -> dict[str, Any]:
         """The non-finite step counters on the devices: ``bad`` (in a row) and ``skipped`` (in all)."""
         self.init()
-        return self._steps.counters
+        return self.running.steps.counters
 
     def run_step(self, batch: Any) -> Any:
         """Runs one step on a global batch, updating the state the hooks own; returns the metrics. The first
         step of a batch signature compiles; JAX's compile-time events say how long (a ``compile`` event)."""
         self.init()
-        self._resizing.refuse("run a step", self.mesh)
-        sig = _data.signature(batch)  # once a step: the host's work per step is what small steps wait on
-        self._resizing.check_rows(_data.signature_rows(sig), self.mesh)
-        fresh, before = not self._steps.is_compiled(sig), COMPILE_CLOCK.seconds
-        states, metrics = self._steps.run(self.hooks.states(), batch, sig)
-        self.hooks.update(states)
-        if fresh:
-            shapes = str([s for s, _ in sig[1]])
-            self.observer.event("compile", COMPILE_CLOCK.seconds - before, self.step, shapes=shapes)
-        return metrics
+        return self.running.run_step(batch)
 
     def global_batch(self, batch: Any) -> Any:
         """A host-local batch (numpy) as a global batch on the data axes; global arrays pass through."""
@@ -288,11 +292,8 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------
 
     def _maybe_resume(self) -> None:
-        if self.config.resume == "auto" and not self._resumed and self.checkpointer is not None:
-            self._resumed, got = True, resume_auto(self)
-            if got is not None:  # from snapshots
-                self._data_states = got.data_states
-                self._steps.reset_counters()
+        if self.checkpoints.resume_auto(self.recovery, self.restore_and_reshard):  # from snapshots:
+            self.running.steps.reset_counters()  # a checkpoint's restore resets them itself
 
     @property
     def restored_step(self) -> int | None:
@@ -330,69 +331,97 @@ class Trainer:
         self.init()
         if self._resizing.standby:
             self.watchdog.disarm()  # waiting is this process's part: the processes training have their own
-            position = self.loop.follow(self, self._resizing)  # joins their saves until their call ends
-            self._data_states = None if position is None else [position] * jax.process_count()
+            position = self.loop.follow(
+                self._functions(), self._resizing
+            )  # joins their saves until their call ends
+            self.checkpoints.data_states = None if position is None else [position] * jax.process_count()
             return []
         with self.lineage.lock():
             self._maybe_resume()
             self.lineage.check_fresh(overwrite=self.config.overwrite)
             end = self.step + steps if steps is not None else self.config.total_steps
-            batches = _data.Batches(data, self._data_states, shard=self.data_shard)
+            batches = _data.Batches(data, self.checkpoints.data_states, shard=self.data_shard)
             if batches.resumable:  # its saved position is used, or the warning said why not
-                self._data_states = None
-            return self.loop.run(self, batches, eval_data, end, self._resizing)
+                self.checkpoints.data_states = None
+            return self.loop.run(self._functions(), batches, eval_data, end, self._resizing)
+
+    def _functions(self) -> StepFunctions:
+        """This Trainer's own functions, a subclass's overrides included, as the loop runs them."""
+        shard, guard = self.data_shard, lambda: self.guard
+        shards = shard.count if shard is not None else jax.process_count()
+        functions = (self.run_step, self.global_batch, self.evaluate, self.save, self.on_log, guard, self)
+        return StepFunctions(*functions, self.learning_rate_schedule(), shards)
 
     def evaluate(self, batches: Iterable[Any], *, use_ema: bool = True) -> dict[str, float]:
-        """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by default
-        (compiled once per batch signature, like the train step)."""
+        """Means of ``eval_metrics`` over the batches, weighted by their rows, on the EMA parameters by
+        default (compiled once per batch signature, like the train step)."""
         self.init()
-        self._resizing.refuse("evaluate", self.mesh)
-        return self._eval.run(self.hooks.states(), batches, use_ema=use_ema, to_global=self.global_batch)
+        return self.running.evaluate(batches, use_ema, self.global_batch)
 
     # -- checkpoints --------------------------------------------------------------
 
     def save(self, *, metrics: dict[str, float] | None = None, force: bool = False) -> bool:
         """Saves model, optimizer, EMA, step and the data iterator's position (async unless configured).
 
-        Returns False, with a :class:`nnx_shard.CheckpointWarning` and a ``save_skipped`` event saying why,
-        when the step was not written (it is already saved). The first save after restoring an older step than
-        the newest sets the newer steps aside (moved, not deleted): they belong to the run this one branched
-        from.
+        Returns False, with a :class:`nnx_shard.CheckpointWarning` and a ``save_skipped`` event, when the step
+        was not written (it is already saved). The first save after restoring an older step than the newest
+        sets the newer steps aside (moved, not deleted): they belong to the run this one branched from.
 
         Raises:
           CheckpointSaveError: this save, or an earlier async one, could not be written.
         """
-        if self.checkpointer is None:
-            raise ConfigError("no workdir in the config: set config.workdir to save checkpoints.")
+        self.checkpoints.require("save")
         self.init()
-        # processes on standby (a mesh that leaves them out) join it: every process writes
-        self._resizing.announce_save(self.step, self.loop.batches, metrics, force)
+        batches = self.loop.batches  # processes on standby (the mesh leaves them out) join: every one writes
+        self._resizing.announce_save(self.step, batches, metrics, force)
         states, mesh = self._resizing.writable(self.hooks, self.mesh)
-        return save_step(
-            self.checkpointer, self.lineage, self.observer, self.step, states, mesh,
-            config=self.config, wrt=self._wrt, batches=self.loop.batches, metrics=metrics, force=force,
-        )  # fmt: skip
+        return self.checkpoints.save(
+            states, mesh, wrt=self._wrt, batches=batches, metrics=metrics, force=force
+        )
+
+    def restore_and_reshard(
+        self,
+        source: Any = None,
+        *,
+        step: int | None = None,
+        options: RestoreOptions | None = None,
+        **keywords: Any,
+    ) -> RestoreReport:
+        """Restores ``step`` (default: the latest) of its checkpoints, or ``source``, onto the devices.
+
+        The arguments are :meth:`ShardingHooks.restore_and_reshard`'s; ``source`` defaults to the Trainer's
+        own checkpoints (an int there is the step), ``free_live`` and ``max_host_bytes`` to the config's. A
+        checkpoint saved without the frozen base (``save_frozen=False``) goes on top of the live base, which
+        must be the same weights. The saved data position is set on the next ``train(iterable)``."""
+        source, step = (None, source) if isinstance(source, int) else (source, step)
+        if source is None:
+            self.checkpoints.require("restore")
+        self.init()
+        report = self.checkpoints.restore(source, step, options, keywords, wrt=self._wrt)
+        self.running.steps.reset_counters()
+        return report
+
+    def best_step(self) -> int | None:
+        """The kept step with the best ``config.best_metric`` (None without one)."""
+        return self.checkpointer.best_step() if self.checkpointer is not None else None
+
+    # -- devices --------------------------------------------------------------------
 
     def resize(
         self, mesh: Mesh | str, *, devices: Sequence[Any] | None = None, donate: bool = True
     ) -> ResizeReport:
         """Moves the live training state onto another mesh and goes on training there.
 
-        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all); every process calls it.
-        The state moves with :meth:`ShardingHooks.on_mesh_change` (each piece sent once, nothing through the
-        host) and the global batch stays as it was. The mesh may leave processes out and take them back: a
-        process without devices is on standby (its ``train()`` runs no step, joins the saves and returns with
-        the others; snapshots pause). :attr:`data_shard` says which rows a process reads, and grain's
-        ``ElasticIterator`` moves onto the new shards at its global position: no example read twice or skipped.
+        ``mesh`` is a Mesh, or a mesh string with the ``devices`` to use (default all); every process calls
+        it. The state moves with :meth:`ShardingHooks.on_mesh_change` (each piece sent once, nothing through
+        the host); the global batch stays as it was. A process the mesh leaves out is on standby: its
+        ``train()`` runs no step, joins the saves and returns with the others. :attr:`data_shard` says which
+        rows a process reads; grain's ``ElasticIterator`` moves onto the new shards at its global position.
         """
         self.init()
-        new = mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices)
-        old, before = self.mesh, self.data_shard
-        report = self.hooks.on_mesh_change(new, donate=donate)
-        self._compile_for(self._steps.moved(new, self.hooks.plan))  # compiled for the old shardings
-        processes = self._resizing.moved(old, new, self.data_shard != before, self.observer)
-        self.observer.event("resize", report.seconds, self.step, report=str(report), processes=processes)
-        return report
+        return self.running.resize(
+            mesh if isinstance(mesh, Mesh) else mesh_from_string(mesh, devices=devices), donate
+        )
 
     def compile_report(self, devices: Sequence[Any], batch: Any) -> CompileReport:
         """Compiles this Trainer's own train step for ``devices`` and reports what each holds and sends.
@@ -403,48 +432,17 @@ class Trainer:
         return compile_step(self.config, self._create, self.train_step, devices, batch)
 
     def suggest(
-        self, batch: Any = None, *, budget: int | str | None = None, devices: Sequence[Any] | None = None,
-        tokens_per_step: int | None = None,
-    ) -> Suggestion:  # fmt: skip
-        """:func:`nnx_shard.suggest` for this Trainer's state, each fitting layout's step compiled (given a global
-        ``batch`` of ``jax.ShapeDtypeStruct``) with :meth:`compile_report` on ``devices`` (default: this
-        machine's): the one whose compiled step sends least is kept. See :func:`nnx_shard._trainer._aot.suggest_layout`.
-        """
-        devices = list(devices) if devices is not None else jax.devices()
-        create, step, tokens = self._create, self.train_step, tokens_per_step
-        return suggest_layout(
-            self.config, create, step, batch, budget=budget, devices=devices, tokens_per_step=tokens
-        )
-
-    def best_step(self) -> int | None:
-        """The kept step with the best ``config.best_metric`` (None without one)."""
-        return self.checkpointer.best_step() if self.checkpointer is not None else None
-
-    def restore_and_reshard(
         self,
-        source: Any = None,
+        batch: Any = None,
         *,
-        step: int | None = None,
-        options: RestoreOptions | None = None,
-        **keywords: Any,
-    ) -> RestoreReport:
-        """Restores ``step`` (default: the latest) of this Trainer's checkpoints, or ``source``, onto its devices.
-
-        The arguments are :meth:`ShardingHooks.restore_and_reshard`'s; ``source`` defaults to the Trainer's own
-        checkpoints (an int there is the step), ``free_live`` and ``max_host_bytes`` to the config's. A
-        checkpoint saved without the frozen base (``save_frozen=False``) goes on top of the live base, which must
-        be the same weights. The saved data position is set on the next ``train(iterable)``."""
-        source, step = (None, source) if isinstance(source, int) else (source, step)
-        if source is None and self.checkpointer is None:
-            raise ConfigError("no workdir in the config: set config.workdir to restore checkpoints.")
-        self.init()
-        start, own = time.perf_counter(), source is None
-        ckpt = self.checkpointer if own else None
-        opts = trainer_options(self.config, ckpt, step, self.states["model"], self._wrt, options, keywords)
-        report = self.hooks.restore_and_reshard(ckpt if own else source, step=step, options=opts)
-        if own:
-            self.step, self._data_states, self._resumed = report.step, report.saved.get("data_state"), True
-            self.lineage.restored(report.step)
-        self._steps.reset_counters()
-        self.observer.event("restore", time.perf_counter() - start, self.step, report=str(report))
-        return report
+        budget: int | str | None = None,
+        devices: Sequence[Any] | None = None,
+        tokens_per_step: int | None = None,
+    ) -> Suggestion:
+        """:func:`nnx_shard.suggest` for this Trainer's state, each fitting layout's step compiled (given a
+        global ``batch`` of ``jax.ShapeDtypeStruct``) with :meth:`compile_report` on ``devices`` (default:
+        this machine's); the one whose compiled step sends least is kept (see
+        :func:`nnx_shard._trainer._aot.suggest_layout`)."""
+        devices = list(devices) if devices is not None else jax.devices()
+        options = {"budget": budget, "devices": devices, "tokens_per_step": tokens_per_step}
+        return suggest_layout(self.config, self._create, self.train_step, batch, **options)

@@ -1,4 +1,5 @@
-"""Attributes of the Trainer that are views: its live objects by name (``trainer.model``), and renamed methods."""
+"""Attributes of the Trainer that are views: its live objects by name (``trainer.model``), and renamed
+methods."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from typing import Any, Protocol
 class Owner(Protocol):
     """What a :class:`LiveObject` reads of the Trainer."""
 
-    def objects(self) -> dict[str, Any]: ...
+    @property
+    def training_state(self) -> Any: ...
 
 
 class LiveObject:
     """``trainer.<name>``: the live object of that name (``model``, ``ema``, ``optimizer``), read-only.
 
-    The same object ``trainer.objects()[name]`` gives, brought up to date with the training state;
+    The same object ``trainer.training_state.<name>`` gives, brought up to date with the training state;
     ``None`` for an object the Trainer does not have (``ema`` with ``ema_decay=None``).
     """
 
@@ -25,13 +27,49 @@ class LiveObject:
     def __get__(self, trainer: Owner | None, owner: type | None = None) -> Any:
         if trainer is None:
             return self
-        return trainer.objects().get(self.name)
+        return trainer.training_state.get(self.name)
 
     def __set__(self, trainer: Owner, value: Any) -> None:
         raise AttributeError(
             f"Trainer.{self.name} is a read-only view of the live {self.name}; change its values in place "
             f"(nnx.update(trainer.{self.name}, state)), or build another in create_model."
         )
+
+
+class ProgressField:
+    """``trainer.step`` / ``trainer.last_eval``: a field of the Trainer's :class:`Progress`, read and written
+    there."""
+
+    def __init__(self) -> None:
+        self.name = ""  # the attribute's name, when the class is made
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        return self if trainer is None else getattr(trainer.progress, self.name)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        setattr(trainer.progress, self.name, value)
+
+
+class ObjectsView:
+    """``trainer.objects()``, deprecated: a dict of :attr:`Trainer.training_state`'s parts, with a warning."""
+
+    def __get__(self, trainer: Owner | None, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+
+        def objects() -> dict[str, Any]:
+            warnings.warn(
+                "Trainer.objects() is now Trainer.training_state (a TrainingState: .model, .optimizer, .ema; "
+                "it reads as the same mapping).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return dict(trainer.training_state)
+
+        return objects
 
 
 class RenamedMethod:

@@ -1,4 +1,5 @@
-"""Hangs become failures: a section of the run (startup, a step, a save) that overruns its time ends the process.
+"""Hangs become failures: a section of the run (startup, a step, a save) that overruns its time ends the
+process.
 
 A peer that dies mid-collective leaves the survivors waiting inside XLA,
 where no Python exception can reach them. A daemon thread watches the
@@ -106,8 +107,10 @@ class Watchdog:
                 where = f"process {jax.process_index()} of {jax.process_count()}"
                 message = (
                     f"nnx_shard: {what} did not finish within {seconds:g} s (config.{key}) in {where}"
-                    f"{missing_processes(what)}: a peer may have died or hung. Ending this process (exit status {EXIT_STATUS}) so "
-                    f"that the job can be restarted; resume='auto' goes on from the newest snapshot or checkpoint.\n"
+                    f"{missing_processes(what)}: a peer may have died or hung. Ending this process (exit "
+                    f"status {EXIT_STATUS}) so "
+                    "that the job can be restarted; resume='auto' goes on from the newest snapshot or "
+                    "checkpoint.\n"
                 )
                 os.write(sys.stderr.fileno(), message.encode())
                 os._exit(EXIT_STATUS)

@@ -1,4 +1,5 @@
-"""A folder of safetensors laid out as Hugging Face's ``save_pretrained`` lays it out, so ``from_pretrained`` opens it.
+"""A folder of safetensors laid out as Hugging Face's ``save_pretrained`` lays it out, so ``from_pretrained``
+opens it.
 
 Files are split at ``max_shard_size`` (transformers' default, 5 GB) in
 transformers' names (``model.safetensors`` alone, else
@@ -62,7 +63,8 @@ def parse_size(size: int | str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), flags=re.IGNORECASE)
     if m is None or float(m.group(1)) <= 0:
         raise WeightsMismatchError(
-            f"max_shard_size takes a positive number of bytes or a size such as '5GB' or '500MiB'; got {size!r}."
+            "max_shard_size takes a positive number of bytes or a size such as '5GB' or '500MiB'; got "
+            f"{size!r}."
         )
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
@@ -117,7 +119,8 @@ def write_folder(
     prefix: str = "model",
     index: bool = True,
 ) -> list[str]:
-    """Writes ``tensors`` (the same on every process) as a Hugging Face folder; returns this process's files."""
+    """Writes ``tensors`` (the same on every process) as a Hugging Face folder; returns this process's
+    files."""
     from safetensors.numpy import save_file
 
     limit = parse_size(max_shard_size)

@@ -1,4 +1,5 @@
-"""The names of a pretrained weight's key map: its rules compiled, a matched name's targets, the files and leaves.
+"""The names of a pretrained weight's key map: its rules compiled, a matched name's targets, the files and
+leaves.
 
 Shared by the loader, the exporter and the PEFT adapters (``_safetensors``,
 ``_safetensors_export``, ``_peft``).

@@ -1,4 +1,5 @@
-"""Pretrained safetensors weights streamed into a live sharded NNX model: each process reads only its shards' bytes.
+"""Pretrained safetensors weights streamed into a live sharded NNX model: each process reads only its shards'
+bytes.
 
 A key map is an ordered list of ``(regex over file tensor names, target,
 transform)`` rules, first match wins, like the sharding rules. The target is
@@ -99,7 +100,8 @@ def plan_fills(
     ignore: Sequence[str],
     strict: bool,
 ) -> tuple[dict[str, list[_Fill]], list[str]]:
-    """``{leaf path: fills}`` and notes; WeightsMismatchError listing every problem before anything is written."""
+    """``{leaf path: fills}`` and notes; WeightsMismatchError listing every problem before anything is
+    written."""
     rules = key_rules(key_map)
     fills: dict[str, list[_Fill]] = {}
     unmapped, problems, ignored = [], [], 0

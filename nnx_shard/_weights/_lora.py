@@ -1,4 +1,5 @@
-"""LoRA adapters as the library that made them records them: which kernel each pair updates, how, and by how much.
+"""LoRA adapters as the library that made them records them: which kernel each pair updates, how, and by how
+much.
 
 Three forms are found: flax's ``nnx.LoRALinear`` (``x/kernel`` with
 ``x/lora/lora_a``), ``nnx.LoRA(base_module=...)`` (``x/base_module/kernel``
@@ -157,7 +158,8 @@ def _qwix_scale(rules: list[Any] | None, module: Any, op: str, rank: int, name: 
 
 
 def find_adapters(model: Any, lora_scale: float | None = None) -> dict[str, Adapter]:
-    """``{base kernel path: Adapter}`` of every LoRA pair in ``model`` (a Module, or a State: flax forms only).
+    """``{base kernel path: Adapter}`` of every LoRA pair in ``model`` (a Module, or a State: flax forms
+    only).
 
     ``lora_scale`` overrides every scale; without it qwix's ``alpha / rank``
     is used, and 1.0 for flax's LoRA (which has none).
@@ -197,8 +199,10 @@ def find_adapters(model: Any, lora_scale: float | None = None) -> dict[str, Adap
                 scale = _qwix_scale(rules, node, op, a_val.shape[-1], name)
             if scale is None:
                 raise WeightsMismatchError(
-                    f"the qwix adapter of {_join(prefix, name)} has no rule to read its alpha from (the model "
-                    f"was not made by qwix's apply_lora_to_model in this process): pass lora_scale=alpha/rank."
+                    f"the qwix adapter of {_join(prefix, name)} has no rule to read its alpha from (the "
+                    "model "
+                    "was not made by qwix's apply_lora_to_model in this process): pass "
+                    "lora_scale=alpha/rank."
                 )
             base = _join(prefix, name)
             out[base] = Adapter(base, f"{base}_lora_a", f"{base}_lora_b", equation, scale, "qwix")

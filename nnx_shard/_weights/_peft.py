@@ -1,4 +1,5 @@
-"""LoRA adapters in PEFT's format, both ways: written for ``peft.PeftModel.from_pretrained``, read into a model's adapters.
+"""LoRA adapters in PEFT's format, both ways: written for ``peft.PeftModel.from_pretrained``, read into a
+model's adapters.
 
 PEFT stores, per adapted ``nn.Linear`` named ``<module>`` in the Hugging Face
 model, ``base_model.model.<module>.lora_A.weight`` (r, in) and
@@ -53,7 +54,8 @@ def _layout(ad: Adapter, a_shape: tuple, b_shape: tuple, kernel_shape: tuple, op
     b_idx = pick(b_str[1:], b_shape[1:])
     if not ((a_idx == a_idx[:1]).all() and (b_idx == b_idx[:, :1]).all()):
         raise WeightsMismatchError(
-            f"{ad.base}: the adapter's input axes ({a_str[:-1]}) are not the columns of its {file_shape} file "
+            f"{ad.base}: the adapter's input axes ({a_str[:-1]}) are not the columns of its {file_shape} "
+            "file "
             f"weight (nor its output axes the rows), so it has no PEFT (A, B) form."
         )
     return a_idx[0], b_idx[:, 0]
@@ -94,7 +96,8 @@ def save_peft_adapters(
     base_model_name_or_path: str | None = None,
     lora_scale: float | None = None,
 ) -> list[str]:
-    """Writes ``model``'s LoRA adapters as a PEFT folder: ``adapter_model.safetensors`` and ``adapter_config.json``.
+    """Writes ``model``'s LoRA adapters as a PEFT folder: ``adapter_model.safetensors`` and
+    ``adapter_config.json``.
 
     ``peft.PeftModel.from_pretrained(base, path)`` loads it onto the base
     ``transformers`` model, which then computes the JAX model's logits. The
@@ -116,7 +119,8 @@ def save_peft_adapters(
     >>> save_file({"fc.weight": np.zeros((3, 4), np.float32)}, f"{src}/model.safetensors")
     >>> model = nnx.LoRALinear(4, 3, lora_rank=2, use_bias=False, rngs=nnx.Rngs(0))
     >>> out = tempfile.mkdtemp()
-    >>> [f.split("/")[-1] for f in ns.save_peft_adapters(model, out, [(r"fc\\.weight", "kernel", "T")], like=src)]
+    >>> written = ns.save_peft_adapters(model, out, [(r"fc\\.weight", "kernel", "T")], like=src)
+    >>> [f.split("/")[-1] for f in written]
     ['adapter_model.safetensors', 'adapter_config.json']
     """
     key_map, _ = resolve_key_map(key_map, model, like)
@@ -132,7 +136,8 @@ def save_peft_adapters(
     missing = sorted(set(adapters) - set(sources))
     if missing:
         raise WeightsMismatchError(
-            f"no key map rule names the weights of these adapted kernels as one whole file tensor: {missing[:8]}; "
+            "no key map rule names the weights of these adapted kernels as one whole file tensor: "
+            f"{missing[:8]}; "
             f"PEFT adapters need one (a split or stacked rule has no PEFT name)."
         )
     tensors: dict[str, np.ndarray] = {}
@@ -225,7 +230,8 @@ def pattern_key(patterns: Sequence[str], module: str) -> str | None:
 
 
 def peft_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
-    """``(r, scale)`` PEFT gives ``module``: ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA, patterns applied."""
+    """``(r, scale)`` PEFT gives ``module``: ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA, patterns
+    applied."""
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     r_key, a_key = pattern_key(list(ranks), module), pattern_key(list(alphas), module)
     r = ranks[r_key] if r_key is not None else config.get("r", 8)
@@ -305,7 +311,8 @@ def load_peft_adapters(
 def _prepare(
     m: str, ad: Adapter, leaves: dict[str, Any], where: Any, tensors: dict, config: dict, notes: list
 ) -> list[tuple[Any, np.ndarray]]:
-    """PEFT module ``m``'s A and B as the values of the adapter ``ad`` (B rescaled when PEFT's scale differs)."""
+    """PEFT module ``m``'s A and B as the values of the adapter ``ad`` (B rescaled when PEFT's scale
+    differs)."""
     base = ad.base
     _, ops, file_shape = where
     A, B = tensors[f"{PREFIX}{m}.lora_A.weight"], tensors[f"{PREFIX}{m}.lora_B.weight"]
@@ -315,7 +322,8 @@ def _prepare(
     a_shape, b_shape = tuple(a_var.get_value().shape), tuple(b_var.get_value().shape)
     if rank != r:
         raise WeightsMismatchError(
-            f"{m}: its lora_A holds rank {rank}, the adapter config gives it r={r} (r, rank_pattern); nothing "
+            f"{m}: its lora_A holds rank {rank}, the adapter config gives it r={r} (r, rank_pattern); "
+            "nothing "
             f"was written."
         )
     if a_shape[-1] != rank:

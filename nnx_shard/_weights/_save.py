@@ -33,7 +33,8 @@ _GROUP = re.compile(r"\((?!\?)(?:[^()\\]|\\.)*\)")
 
 
 def _file_names(regex: str, groups: dict[int, str]) -> str:
-    """The name a simple regex matches with its groups set: ``model\\.layers\\.(\\d+)\\.w`` -> ``model.layers.3.w``."""
+    """The name a simple regex matches with its groups set: ``model\\.layers\\.(\\d+)\\.w`` ->
+    ``model.layers.3.w``."""
     k = iter(range(1, 100))
 
     def fill(m: re.Match[str]) -> str:
@@ -159,7 +160,8 @@ def _check_complete(
     skip: Sequence[str],
     adapters: dict[str, Any],
 ) -> None:
-    """Raises when a parameter, a slice of a stacked one or a source tensor would be left out of the export."""
+    """Raises when a parameter, a slice of a stacked one or a source tensor would be left out of the
+    export."""
     merged_in = {p for ad in adapters.values() for p in (ad.a, ad.b)}
     missing = []
     for path, v in leaves.items():
@@ -244,7 +246,8 @@ def _names_from_rules(key_map: Sequence[Rule], leaves: dict[str, Any]) -> list[s
         )
         if any(not re.fullmatch(r"\\\d", x) for x in index):
             raise WeightsMismatchError(
-                f"the rule {regex.pattern!r} -> {template!r} indexes its target with {index}, not with groups "
+                f"the rule {regex.pattern!r} -> {template!r} indexes its target with {index}, not with "
+                "groups "
                 f"(\\1, \\2): pass like= (the source files) to name what it exports."
             )
         bits = re.split(r"\\(\d)", base)

@@ -1,4 +1,5 @@
-"""The transforms of a pretrained weight's key map: parsed without eval, applied to the part of a tensor a shard needs.
+"""The transforms of a pretrained weight's key map: parsed without eval, applied to the part of a tensor a
+shard needs.
 
 A transform is a chain of ``T``, ``transpose(...)``, ``reshape(...)`` and
 ``split(axis, n, i)``, joined by ``|`` like tactics. Each step maps a box of
@@ -103,7 +104,8 @@ def full_ops(ops: Sequence[Op], file_shape: Sequence[int], target_shape: Sequenc
     >>> full_ops((), (128, 64), (64, 128))
     Traceback (most recent call last):
     ...
-    nnx_shard.errors.WeightsMismatchError: a (128, 64) tensor is not a (64, 128) leaf with axes split or merged in order; ...
+    nnx_shard.errors.WeightsMismatchError: a (128, 64) tensor is not a (64, 128) leaf with axes split or
+      merged in order; ...
     """
     after = shape_after(ops, file_shape)
     if after == tuple(target_shape):
@@ -111,7 +113,8 @@ def full_ops(ops: Sequence[Op], file_shape: Sequence[int], target_shape: Sequenc
     done = f" after {' | '.join(map(str, ops))}" if ops else ""
     if math.prod(after) != math.prod(target_shape):
         raise WeightsMismatchError(
-            f"a {tuple(file_shape)} tensor{done} holds {math.prod(after)} elements, the {tuple(target_shape)} "
+            f"a {tuple(file_shape)} tensor{done} holds {math.prod(after)} elements, the "
+            f"{tuple(target_shape)} "
             f"leaf {math.prod(target_shape)}."
         )
     if not is_split_or_merge(after, tuple(target_shape)):
@@ -206,7 +209,8 @@ def source_box(ops: Sequence[Op], file_shape: Sequence[int], box: Box) -> Box:
 
 
 def apply(ops: Sequence[Op], file_shape: Sequence[int], data: np.ndarray, read: Box, want: Box) -> np.ndarray:
-    """``want`` of the transformed tensor, from ``data``: the file tensor's box ``read`` (see :func:`source_box`)."""
+    """``want`` of the transformed tensor, from ``data``: the file tensor's box ``read`` (see
+    :func:`source_box`)."""
     shapes = [tuple(file_shape)]
     for op in ops:
         shapes.append(shape_after([op], shapes[-1]))
@@ -234,7 +238,8 @@ def apply(ops: Sequence[Op], file_shape: Sequence[int], data: np.ndarray, read: 
 
 
 def invert(ops: Sequence[Op], file_shape: Sequence[int], value: np.ndarray) -> np.ndarray:
-    """The file tensor (of ``file_shape``) that ``ops`` turn into ``value``; splits are joined by the caller."""
+    """The file tensor (of ``file_shape``) that ``ops`` turn into ``value``; splits are joined by the
+    caller."""
     shapes = [tuple(file_shape)]
     for op in ops:
         shapes.append(shape_after([op], shapes[-1]))

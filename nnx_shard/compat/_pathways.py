@@ -1,4 +1,5 @@
-"""pathwaysutils' name for a reshard through an intermediate sharding, on plain JAX (its ``experimental`` API)."""
+"""pathwaysutils' name for a reshard through an intermediate sharding, on plain JAX (its ``experimental``
+API)."""
 
 from __future__ import annotations
 

@@ -191,7 +191,8 @@ def usable_steps(workdir: Path) -> list[int]:
 
 
 def judge(restart: dict, reference: str, had_usable: bool) -> str:
-    """``recovered`` (bitwise), ``named_error``, ``wrong`` (values differ, or a silent start from scratch), ``hang``."""
+    """``recovered`` (bitwise), ``named_error``, ``wrong`` (values differ, or a silent start from scratch),
+    ``hang``."""
     if restart.get("hang"):
         return "hang"
     if restart["rc"] != 0:
@@ -323,7 +324,8 @@ def campaign(
     tmp: Path, *, trials: int | None = None, seed: int = 0, launch: int = 0
 ) -> tuple[list[dict], dict]:
     """Every kill point and damage kind once (``trials`` None), or ``trials`` seeded draws of them, of which
-    ``launch`` are lost processes under ``nnx-shard launch`` (each fault kind in turn, a seeded process and step)."""
+    ``launch`` are lost processes under ``nnx-shard launch`` (each fault kind in turn, a seeded process and
+    step)."""
     tmp.mkdir(parents=True, exist_ok=True)
     finished = tmp / "reference"
     ref = _worker(finished, "none", 0)

@@ -67,7 +67,8 @@ def example(i: int) -> dict[str, np.ndarray]:
 
 
 def numbered_data(kind: str, examples: int = 100_000):
-    """The numbered examples as an iterable of host-local batches (``ROWS`` global rows each) of this process."""
+    """The numbered examples as an iterable of host-local batches (``ROWS`` global rows each) of this
+    process."""
     import grain
 
     ds = grain.MapDataset.range(examples).map(example)

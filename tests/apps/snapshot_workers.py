@@ -1,4 +1,5 @@
-"""Workers of tests/checkpoint/test_snapshot.py: each process writes in-memory snapshots of a sharded state."""
+"""Workers of tests/checkpoint/test_snapshot.py: each process writes in-memory snapshots of a sharded
+state."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def write(folder: str, domain: str = "") -> dict:
 
 
 def restore_onto_more(folder: str) -> dict:
-    """Process 0 held the snapshot of a 1-process run; process 1 is new: both restore it onto 2 x 2 devices."""
+    """Process 0 held the snapshot of a 1-process run; process 1 is new: both restore it onto 2 x 2
+    devices."""
     from pathlib import Path
 
     import jax

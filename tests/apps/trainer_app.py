@@ -162,7 +162,8 @@ if (
 
 
 def resize_worker(steps: int = 3):
-    """Worker: train on all devices, resize to half of each process's devices and back; compare with a run left alone."""
+    """Worker: train on all devices, resize to half of each process's devices and back; compare with a run
+    left alone."""
     left_alone = RegressionTrainer(config("", total_steps=3 * steps))
     expected = [h["loss"] for h in left_alone.train(batch_for)]
     trainer = RegressionTrainer(config("", total_steps=3 * steps))

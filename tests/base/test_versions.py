@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "raised",
     [
-        "AttributeError(\"module 'jax.experimental.hijax' has no attribute 'HiPrimitive'\")",  # flax 0.12.8, jax 0.12
+        # flax 0.12.8 with jax 0.12
+        "AttributeError(\"module 'jax.experimental.hijax' has no attribute 'HiPrimitive'\")",
         "ImportError('cannot import name Foo from jax')",
         "TypeError('unexpected keyword argument')",
     ],

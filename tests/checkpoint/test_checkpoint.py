@@ -89,7 +89,7 @@ def test_a_trainers_workdir_restores_like_its_checkpoints_folder_and_a_parent_na
     trainer = RegressionTrainer(config(str(work), total_steps=3))
     trainer.train(batch_for)
     assert ns.Checkpointer(work).all_steps() == ns.Checkpointer(work / "checkpoints").all_steps() == [3]
-    objects = trainer.objects()
+    objects = trainer.training_state
     mesh = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
     report = ns.restore_and_reshard(str(work), objects, STRATEGY, mesh)  # as the checkpoints guide shows
     assert report.step == 3

@@ -1,4 +1,5 @@
-"""Which path each backend takes: fingerprints, the gradient norm and the threefry lowering of sharded creation.
+"""Which path each backend takes: fingerprints, the gradient norm and the threefry lowering of sharded
+creation.
 
 The GPU and TPU paths cannot run here; these tests pin the choice (by platform) and check, on the CPU, that
 the fused program computes what the blocked one and the host do, so that a GPU runs the same sum."""

@@ -1,4 +1,5 @@
-"""One restore, every source: the registry that resolves what a user passes, each kind through the same call."""
+"""One restore, every source: the registry that resolves what a user passes, each kind through the same
+call."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def kernel(model) -> np.ndarray:
 
 @pytest.fixture
 def saved(tmp_path):
-    """An nnx_shard checkpoint of a Linear (step 3), a plain Orbax one, a safetensors folder, and the values."""
+    """An nnx_shard checkpoint of a Linear (step 3), a plain Orbax one, a safetensors folder, and the
+    values."""
     model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
     with ns.Checkpointer(tmp_path / "ours", async_save=False) as ckpt:
         ckpt.save(3, {"model": model}, mesh=mesh())
@@ -147,8 +149,11 @@ def test_the_three_restores_take_the_same_argument_names():
         p.name for p in inspect.signature(f).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]
     module, hooks = names(ns.restore_and_reshard), names(ns.ShardingHooks.restore_and_reshard)
-    assert module == hooks == ["step", "options", "only", "orbax_item", "ema_as_model", "free_live",
-                               "max_host_bytes", "frozen"]  # fmt: skip
+    assert (
+        module
+        == hooks
+        == ["step", "options", "only", "orbax_item", "ema_as_model", "free_live", "max_host_bytes", "frozen"]
+    )
     fields = [f.name for f in __import__("dataclasses").fields(ns.RestoreOptions)]
     assert fields == module[2:]  # every keyword is an option, and the Trainer passes them on as options
     trainer = inspect.signature(ns.Trainer.restore_and_reshard).parameters
@@ -221,5 +226,5 @@ def test_the_trainer_restores_another_source_without_taking_its_step(saved, tmp_
     folder = sources.SafetensorsFolder(root / "hf", [(r"fc\.weight", "kernel", "T"), (r"fc\.bias", "bias")])
     report = trainer.restore_and_reshard(folder, only=["model"])
     assert str(report).startswith("restored the safetensors weights of")
-    np.testing.assert_array_equal(kernel(trainer.objects()["model"]), want)
+    np.testing.assert_array_equal(kernel(trainer.training_state["model"]), want)
     assert trainer.step == 0 and trainer.restored_step is None

@@ -24,11 +24,20 @@ ENTRY = ["bash", "examples/cluster/train.sh"]
 # models of the `kubernetes` package.
 JOBSET_FIELDS = {
     "JobSet": {"apiVersion", "kind", "metadata", "spec"},
-    "JobSetSpec": {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
-                   "coordinator", "managedBy", "ttlSecondsAfterFinished"},
+    "JobSetSpec": {
+        "replicatedJobs",
+        "network",
+        "successPolicy",
+        "failurePolicy",
+        "startupPolicy",
+        "suspend",
+        "coordinator",
+        "managedBy",
+        "ttlSecondsAfterFinished",
+    },
     "ReplicatedJob": {"name", "groupName", "template", "replicas", "dependsOn"},
     "FailurePolicy": {"maxRestarts", "restartStrategy", "rules"},
-}  # fmt: skip
+}
 
 
 def manifest() -> dict:

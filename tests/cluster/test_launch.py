@@ -1,4 +1,5 @@
-"""nnx-shard launch: a job restarted on its survivors after kill -9, its exit status, and hangs that end a process."""
+"""nnx-shard launch: a job restarted on its survivors after kill -9, its exit status, and hangs that end a
+process."""
 
 from __future__ import annotations
 
@@ -257,7 +258,10 @@ def test_the_job_exit_status_and_when_it_gives_up(tmp_path):
     )
     names = ("PROCESS_ID", "NUM_PROCESSES", "RESTART")
     # one write per line: the two processes share the launcher's stdout
-    env = f"import os; os.write(1, (' '.join([*(os.environ['NNX_SHARD_' + n] for n in {names}), os.environ['JAX_NUM_CPU_DEVICES']]) + chr(10)).encode())"
+    env = (
+        f"import os; os.write(1, (' '.join([*(os.environ['NNX_SHARD_' + n] for n in {names}), "
+        "os.environ['JAX_NUM_CPU_DEVICES']]) + chr(10)).encode())"
+    )
     done = launch("--processes", "2", "--devices-per-process", "3", "--", sys.executable, "-c", env)
     printed = sorted(line for line in done.stdout.splitlines() if not line.startswith("nnx-shard launch"))
     assert done.returncode == 0 and printed == ["0 2 0 3", "1 2 0 3"]

@@ -1,4 +1,5 @@
-"""TPU pods compiled here: topologies, the Trainer's compile report, the CLI and the ViT example, reshard plans."""
+"""TPU pods compiled here: topologies, the Trainer's compile report, the CLI and the ViT example, reshard
+plans."""
 
 from __future__ import annotations
 
@@ -129,15 +130,34 @@ def run(*args, timeout=300):
 @needs_libtpu
 def test_the_cli_plans_on_a_topology_and_reports_a_trainers_compile():
     done = run(
-        "-m", "nnx_shard", "plan", "examples.toy_models:llama", "--mesh", "fsdp:-1", "--topology", "v5e:4x4",
-        "--strategy", '[[".*", "fsdp(axis=\'fsdp\')"]]', "--rows", "2",
-    )  # fmt: skip
+        "-m",
+        "nnx_shard",
+        "plan",
+        "examples.toy_models:llama",
+        "--mesh",
+        "fsdp:-1",
+        "--topology",
+        "v5e:4x4",
+        "--strategy",
+        '[[".*", "fsdp(axis=\'fsdp\')"]]',
+        "--rows",
+        "2",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "each TPU v5 lite chip holds 6.28 GiB of state (39.2% of its HBM 16.00 GiB)" in done.stdout
     done = run(
-        "-m", "nnx_shard", "plan", "--trainer", "tests.cluster.test_tpu:Regression", "--topology", "v5e:2x4",
-        "--mesh", "fsdp:-1", "--batch", '{"x": [64, 8], "y": {"shape": [64, 1], "dtype": "float32"}}',
-    )  # fmt: skip
+        "-m",
+        "nnx_shard",
+        "plan",
+        "--trainer",
+        "tests.cluster.test_tpu:Regression",
+        "--topology",
+        "v5e:2x4",
+        "--mesh",
+        "fsdp:-1",
+        "--batch",
+        '{"x": [64, 8], "y": {"shape": [64, 1], "dtype": "float32"}}',
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "8 x TPU v5 lite, HBM 16.00 GiB per chip" in done.stdout and "fits: yes" in done.stdout
     bad = run(

@@ -1,5 +1,6 @@
-"""Checkpoints as people download them, written by the oldest supported transformers and the newest: each loads
-into the model its config.json describes with torch's logits, or is refused by name before a weight is read."""
+"""Checkpoints as people download them, written by the oldest supported transformers and the newest: each
+loads into the model its config.json describes with torch's logits, or is refused by name before a weight is
+read."""
 
 from __future__ import annotations
 
@@ -114,24 +115,64 @@ def edited(tmp_path, source, change):
 
 V4, V5 = WRITERS
 REFUSALS = {
-    "yarn (5.x)": (f"{V5}/llama31", lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0), "rope_parameters.rope_type"),
-    "dynamic (4.x)": (f"{V4}/llama31", lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type"),
-    "llama3 without its factors": (f"{V4}/llama32", lambda c: c["rope_scaling"].pop("low_freq_factor"), "rope_scaling"),
+    "yarn (5.x)": (
+        f"{V5}/llama31",
+        lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0),
+        "rope_parameters.rope_type",
+    ),
+    "dynamic (4.x)": (
+        f"{V4}/llama31",
+        lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "rope_scaling.rope_type",
+    ),
+    "llama3 without its factors": (
+        f"{V4}/llama32",
+        lambda c: c["rope_scaling"].pop("low_freq_factor"),
+        "rope_scaling",
+    ),
     "gelu llama": (f"{V5}/llama31", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     "llama attention bias": (f"{V5}/llama31", lambda c: c.update(attention_bias=True), "attention_bias"),
     "mistral window": (f"{V5}/mistral", lambda c: c.update(sliding_window=4096), "sliding_window"),
     "qwen2 window": (f"{V4}/qwen25", lambda c: c.update(use_sliding_window=True), "use_sliding_window"),
-    "qwen2 yarn": (f"{V4}/qwen25", lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
-    "qwen2 linear": (f"{V5}/qwen25", lambda c: c["rope_parameters"].update(rope_type="linear", factor=2.0), "rope_parameters.rope_type"),
+    "qwen2 yarn": (
+        f"{V4}/qwen25",
+        lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4.0}),
+        "rope_scaling.rope_type",
+    ),
+    "qwen2 linear": (
+        f"{V5}/qwen25",
+        lambda c: c["rope_parameters"].update(rope_type="linear", factor=2.0),
+        "rope_parameters.rope_type",
+    ),
     "gemma theta": (f"{V5}/gemma", lambda c: c["rope_parameters"].update(rope_theta=1e6), "rope_theta"),
     "gemma eps": (f"{V4}/gemma", lambda c: c.update(rms_norm_eps=1e-5), "rms_norm_eps"),
-    "gemma2 query scalar": (f"{V5}/gemma2", lambda c: c.update(query_pre_attn_scalar=144), "query_pre_attn_scalar"),
-    "gemma3 softcap": (f"{V5}/gemma3", lambda c: c.update(final_logit_softcapping=30.0), "final_logit_softcapping"),
-    "gemma3 layer types": (f"{V5}/gemma3", lambda c: c.update(layer_types=["full_attention"] * 6), "layer_types"),
+    "gemma2 query scalar": (
+        f"{V5}/gemma2",
+        lambda c: c.update(query_pre_attn_scalar=144),
+        "query_pre_attn_scalar",
+    ),
+    "gemma3 softcap": (
+        f"{V5}/gemma3",
+        lambda c: c.update(final_logit_softcapping=30.0),
+        "final_logit_softcapping",
+    ),
+    "gemma3 layer types": (
+        f"{V5}/gemma3",
+        lambda c: c.update(layer_types=["full_attention"] * 6),
+        "layer_types",
+    ),
     "gemma3 pattern (4.x)": (f"{V4}/gemma3", lambda c: c.update(sliding_window_pattern=2), "layer_types"),
-    "gemma3 query scalar": (f"{V4}/gemma3", lambda c: c.update(query_pre_attn_scalar=7), "query_pre_attn_scalar"),
-    "gemma3 global yarn": (f"{V5}/gemma3", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"), "rope_parameters.rope_type"),
-}  # fmt: skip
+    "gemma3 query scalar": (
+        f"{V4}/gemma3",
+        lambda c: c.update(query_pre_attn_scalar=7),
+        "query_pre_attn_scalar",
+    ),
+    "gemma3 global yarn": (
+        f"{V5}/gemma3",
+        lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
+        "rope_parameters.rope_type",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))

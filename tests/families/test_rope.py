@@ -1,4 +1,5 @@
-"""RoPE as config.json states it: both writers' fields read alike, and the frequencies tunix's attention gets."""
+"""RoPE as config.json states it: both writers' fields read alike, and the frequencies tunix's attention
+gets."""
 
 from __future__ import annotations
 

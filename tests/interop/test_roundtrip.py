@@ -1,7 +1,7 @@
-"""The whole round trip against the real thing (make test-interop): a Hugging Face folder written by transformers
--> google-tunix's Llama3 on fsdp:8 -> a qwix LoRA fine-tune with the Trainer -> resumed on 4 devices -> merged
-export -> transformers' logits; and the PEFT export -> PeftModel's logits. Needs torch (CPU), transformers and
-peft; skipped without them (make test)."""
+"""The whole round trip against the real thing (make test-interop): a Hugging Face folder written by
+transformers -> google-tunix's Llama3 on fsdp:8 -> a qwix LoRA fine-tune with the Trainer -> resumed on 4
+devices -> merged export -> transformers' logits; and the PEFT export -> PeftModel's logits. Needs torch
+(CPU), transformers and peft; skipped without them (make test)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_hf_folder_to_tunix_qwix_finetune_resume_and_back_to_transformers_and_pe
     history = resumed.train(batches)
     assert resumed.restored_step == 3
     assert history[-1]["loss"] < first[0]["loss"]
-    model = resumed.objects()["model"]
+    model = resumed.training_state["model"]
     assert len(model.layers[0].attn.q_proj.w.get_value().sharding.device_set) == 4
     want = np.asarray(forward(model, TOKENS))
 

@@ -65,7 +65,7 @@ def test_a_functional_step_updates_the_objects_through_the_hooks():
     hooks.update({"model": double(hooks.states()["model"])})
     pending = hooks.states()["model"]["kernel"].get_value()
     np.testing.assert_array_equal(np.asarray(pending), 2 * before)  # the loop sees the new state at once
-    model = hooks.objects["model"]  # and the objects when asked for
+    model = hooks.training_state["model"]  # and the objects when asked for
     np.testing.assert_array_equal(np.asarray(model.kernel.get_value()), 2 * before)
     with pytest.raises(
         ns.CheckpointError, match=r"states for \['teacher'\], which are not among the objects"
@@ -84,7 +84,7 @@ def test_on_restore_places_host_data_and_states_from_another_mesh():
         fresh["model"].kernel.set_value(fresh["model"].kernel.get_value() + 1)
         hooks.on_init(objects=fresh)
         hooks.on_restore(restored)
-        kernel = hooks.objects["model"].kernel.get_value()
+        kernel = hooks.training_state["model"].kernel.get_value()
         assert dict(kernel.sharding.mesh.shape) == {"fsdp": 4}
         np.testing.assert_array_equal(np.asarray(kernel), host["model"]["kernel"])
     with pytest.raises(ns.CheckpointError, match=r"restored keys \['extra'\] are not among the objects"):
@@ -113,7 +113,7 @@ def test_restore_and_reshard_builds_no_owner_and_restore_onto_is_a_function_over
     source.on_init(create)
     with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
         source.save(ckpt, 3)
-    saved = np.asarray(source.objects["model"].kernel.get_value())
+    saved = np.asarray(source.training_state["model"].kernel.get_value())
 
     def no_owner(*args, **kwargs):
         raise AssertionError("restore_and_reshard built a ShardingHooks")
@@ -150,4 +150,4 @@ def test_the_mapping_on_init_returns_is_never_stale_after_update():
     assert (objects["model"].kernel.get_value() == before + 1).all()  # reading the mapping synced them
     assert (model.kernel.get_value() == before + 1).all()
     assert objects["model"] is model and list(objects) == ["model"] and len(objects) == 1
-    assert dict(objects) == hooks.objects
+    assert dict(objects) == hooks.training_state

@@ -1,4 +1,5 @@
-"""Resizing a live job in-process: the hooks' on_mesh_change and Trainer.resize, in one and in several processes."""
+"""Resizing a live job in-process: the hooks' on_mesh_change and Trainer.resize, in one and in several
+processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The shape of the code a newcomer meets: caches with one owner, a registry that does not leak, small fixes."""
+"""The shape of the code a newcomer meets: caches with one owner, a registry that does not leak, small
+fixes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The chaos suite: training processes killed at ten points, checkpoints damaged in twelve ways, each restarted.
+"""The chaos suite: training processes killed at ten points, checkpoints damaged in twelve ways, each
+restarted.
 
 Each trial must end in an exact recovery (the final state bitwise equal to an
 uninterrupted run's) or a named nnx_shard error: never wrong values, never a

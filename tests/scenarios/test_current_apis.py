@@ -1,4 +1,5 @@
-"""Current library APIs: no deprecation warnings from nnx_shard's own calls; explicit mesh axes and jax.set_mesh work."""
+"""Current library APIs: no deprecation warnings from nnx_shard's own calls; explicit mesh axes and
+jax.set_mesh work."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The newest JAX and Flax idioms as their docs write them: Explicit meshes, jax.set_mesh, eager sharding, plain Orbax."""
+"""The newest JAX and Flax idioms as their docs write them: Explicit meshes, jax.set_mesh, eager sharding,
+plain Orbax."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_trainer_on_an_explicit_mesh_trains_as_on_an_auto_one(tmp_path, inside):
     kernel = trainer.states["model"]["l2"]["kernel"].get_value()
     assert kernel.sharding.spec == P(None, "fsdp")
     # The model is usable afterwards under jax.set_mesh, through a step of the user's own.
-    model = trainer.hooks.objects["model"]
+    model = trainer.hooks.training_state["model"]
 
     @nnx.jit
     @ns.auto_axes

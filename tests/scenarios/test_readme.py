@@ -67,7 +67,8 @@ def test_newest_idioms_section_runs_as_written(capsys):
 
 @pytest.fixture
 def docs_generator(tmp_path, monkeypatch):
-    """The site's generator (docs/_ext), writing its pages into a temporary folder instead of docs/_generated."""
+    """The site's generator (docs/_ext), writing its pages into a temporary folder instead of
+    docs/_generated."""
     import sys
 
     monkeypatch.syspath_prepend(str(ROOT / "docs" / "_ext"))
@@ -195,5 +196,5 @@ def test_sharding_hooks_by_example_runs_as_written(capsys):
     exec(compile(blocks[0], "trainer.md", "exec"), namespace)  # our own page, not user input
     assert capsys.readouterr().out.strip() == "True"
     hooks, objects = namespace["hooks"], namespace["objects"]
-    assert objects["model"] is hooks.objects["model"]
+    assert objects["model"] is hooks.training_state["model"]
     assert objects["model"].kernel.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")

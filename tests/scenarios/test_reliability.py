@@ -1,4 +1,5 @@
-"""What a week-long unattended job meets: another run's checkpoints, damaged steps, full disks, a second writer, NaNs."""
+"""What a week-long unattended job meets: another run's checkpoints, damaged steps, full disks, a second
+writer, NaNs."""
 
 from __future__ import annotations
 
@@ -270,7 +271,8 @@ print('STEPS', ckpt.all_steps())
 for step in (1, 3):
     m = MLP(nnx.Rngs(5), width=512)
     ns.restore_and_reshard(ckpt, {'model': m}, STRATEGY, mesh, step=step)
-    assert np.array_equal(np.asarray(m.l1.kernel.get_value()), np.asarray(model['model'].l1.kernel.get_value()))
+    saved = np.asarray(model['model'].l1.kernel.get_value())
+    assert np.array_equal(np.asarray(m.l1.kernel.get_value()), saved)
 print('RESTORED')
 """
 

@@ -1,4 +1,5 @@
-"""Models with RNG streams and running statistics, and checkpoints whose content is verified, as users hit them."""
+"""Models with RNG streams and running statistics, and checkpoints whose content is verified, as users hit
+them."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_content_fingerprints_name_the_arrays_that_differ(tmp_path):
         except ns.CheckpointCorruptError as error:
             assert re.search(r"\['(model/kernel|ema/params/kernel)'\]", str(error)), error
             e = error
-        else:  # the flip hit bytes no read uses (the layout varies): then the values are exactly the saved ones
+        # the flip hit bytes no read uses (the layout varies): then the values are exactly the saved ones
+        else:
             for key in saved:
                 for got, want in zip(
                     jax.tree.leaves(nnx.state(fresh[key])), jax.tree.leaves(saved[key]), strict=True

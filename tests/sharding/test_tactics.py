@@ -46,7 +46,8 @@ def run(tactic, mesh_key="2x4", state=W):
             "shard_dim(axis='fsdp', dim=-1)",
             ns.IndivisibleShardingError,
             [
-                "cannot shard dim -1 of 'encoder/mlp/kernel' (shape (6, 10)) over fsdp=4: 10 is not divisible by 4",
+                "cannot shard dim -1 of 'encoder/mlp/kernel' (shape (6, 10)) over fsdp=4: 10 is not "
+                "divisible by 4",
                 "use fsdp()",
             ],
         ),

@@ -121,7 +121,8 @@ def task_pid(job_id: str, task: int) -> int:
 
 
 def examples(workdir: Path) -> dict[int, list[int]]:
-    """The examples each step fed: per process the last lines written for it (a resumed run's), all processes."""
+    """The examples each step fed: per process the last lines written for it (a resumed run's), all
+    processes."""
     out: dict[int, list[int]] = {}
     for f in sorted(workdir.glob("examples-*.jsonl")):
         last: dict[int, list[int]] = {}

@@ -1,4 +1,5 @@
-"""ns.suggest and Trainer.suggest: rules written for a memory budget, checked by the compiler; the plan drawn."""
+"""ns.suggest and Trainer.suggest: rules written for a memory budget, checked by the compiler; the plan
+drawn."""
 
 from __future__ import annotations
 
@@ -91,8 +92,11 @@ def test_traffic_is_counted_by_kind():
 
 
 def test_a_budget_no_layout_meets_names_the_smallest_reached_and_the_largest_leaves():
-    with pytest.raises(ns.NoLayoutFitsError, match=r"no layout fits 1.0 KiB per device: the smallest any reaches is "
-                       r"2.0 MiB \(full fsdp\); the largest leaves per device are model/kernel 512.0 KiB"):  # fmt: skip
+    with pytest.raises(
+        ns.NoLayoutFitsError,
+        match=r"no layout fits 1.0 KiB per device: the smallest any reaches is "
+        r"2.0 MiB \(full fsdp\); the largest leaves per device are model/kernel 512.0 KiB",
+    ):
         ns.suggest(linear_state(), mesh8(), budget="1KiB")
     assert issubclass(ns.NoLayoutFitsError, ValueError)
     for bad in ("16 parsecs", -3, "GiB"):
@@ -147,8 +151,8 @@ class FourLayerTrainer(ns.Trainer):
 
 
 def test_trainer_suggest_keeps_the_layout_whose_compiled_step_sends_least():
-    """The model ranks ZeRO-1 above full fsdp never, replicated level with it; the compiler decides: at batch 64
-    replicated sends 4.0 MiB, ZeRO-1 8.0 MiB and full fsdp 1.8 MiB per device."""
+    """The model ranks ZeRO-1 above full fsdp never, replicated level with it; the compiler decides: at batch
+    64 replicated sends 4.0 MiB, ZeRO-1 8.0 MiB and full fsdp 1.8 MiB per device."""
     trainer = FourLayerTrainer({"mesh": "fsdp:-1", "progress": "off", "ema_decay": 0.99})
     batch = {k: jax.ShapeDtypeStruct((64, 512), np.float32) for k in ("x", "y")}
     s = trainer.suggest(batch, budget="64MiB")
@@ -232,7 +236,8 @@ def test_the_bundled_models_get_a_few_readable_rules(which):
 
 def test_a_compiled_peak_over_the_chip_tightens_the_budget_and_each_attempt_is_reported(monkeypatch):
     """A chip of 16 MiB (as XLA would report it): layouts whose compiled peak is over it are dropped; below
-    every peak, the budget is tightened by the excess until no layout is left, and the error lists them all."""
+    every peak, the budget is tightened by the excess until no layout is left, and the error lists them
+    all."""
     from nnx_shard._trainer import _aot
 
     trainer = FourLayerTrainer({"mesh": "fsdp:-1", "progress": "off", "ema_decay": 0.99})

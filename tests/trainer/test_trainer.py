@@ -54,10 +54,8 @@ def test_reference_learns(reference):
 @pytest.mark.parametrize("devices", [4, 2, 1])
 def test_resume_on_fewer_devices(reference, devices):
     out = resume_in_subprocess(reference["workdir"], devices)
-    assert (
-        out["report"]
-        == f"restored step 6, saved on 8 devices (fsdp=8), onto {f'{devices} devices (fsdp={devices})' if devices > 1 else '1 device'}"
-    )
+    onto = f"{devices} devices (fsdp={devices})" if devices > 1 else "1 device"
+    assert out["report"] == f"restored step 6, saved on 8 devices (fsdp=8), onto {onto}"
     assert out["digest"] == reference["digest"]  # bitwise: model, optimizer, EMA
     assert out["kernel_mesh"] == {"fsdp": devices}  # never the old device subset
     np.testing.assert_allclose(out["losses"], reference["losses"], rtol=2e-5, atol=1e-6)
@@ -71,10 +69,8 @@ def test_resume_on_two_processes(reference, multiprocess):
     first = results[0].ok()["pid"]
     for r in results:
         v = r.ok()
-        assert (
-            v["report"]
-            == "restored step 6, saved on 8 devices (fsdp=8) in 1 process, onto 4 devices (fsdp=4) in 2 processes"
-        )
+        saved = "saved on 8 devices (fsdp=8) in 1 process"
+        assert v["report"] == f"restored step 6, {saved}, onto 4 devices (fsdp=4) in 2 processes"
         assert v["lock_holders"] == [first]  # process 0 holds the workdir lock for both
         assert v["digest"] == reference["digest"]
         np.testing.assert_allclose(v["losses"], reference["losses"], rtol=2e-5, atol=1e-6)
@@ -141,16 +137,16 @@ def test_on_restore_from_numpy_and_from_another_mesh(reference):
     trainer.init()
     source = reference["trainer"]
     hooks = trainer.hooks
-    host = {k: jax.tree.map(np.asarray, nnx_pure(v)) for k, v in source.objects().items()}
+    host = {k: jax.tree.map(np.asarray, nnx_pure(v)) for k, v in source.training_state.items()}
     hooks.on_restore(host)
-    leaves = dict(ns.flatten_state(hooks.objects["model"]))
+    leaves = dict(ns.flatten_state(hooks.training_state["model"]))
     assert dict(leaves["l1/kernel"].get_value().sharding.mesh.shape) == {"fsdp": 8}
     np.testing.assert_array_equal(np.asarray(leaves["l1/kernel"].get_value()), host["model"]["l1"]["kernel"])
     mesh4 = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
     other = ns.ShardingHooks(reference["trainer"].hooks.strategy, mesh4)
-    other.on_init(objects=RegressionTrainer(config(reference["workdir"], mesh="fsdp:8")).objects())
+    other.on_init(objects=RegressionTrainer(config(reference["workdir"], mesh="fsdp:8")).training_state)
     other.on_restore({k: v for k, v in source.states.items()})
-    got = other.objects["model"].l2.kernel.get_value()
+    got = other.training_state["model"].l2.kernel.get_value()
     assert dict(got.sharding.mesh.shape) == {"fsdp": 4}
     np.testing.assert_array_equal(
         np.asarray(got), np.asarray(source.states["model"]["l2"]["kernel"].get_value())

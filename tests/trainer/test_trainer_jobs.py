@@ -1,4 +1,5 @@
-"""The Trainer as unattended jobs meet it: config, headless logs, evaluation, best_metric, data resume, endings."""
+"""The Trainer as unattended jobs meet it: config, headless logs, evaluation, best_metric, data resume,
+endings."""
 
 from __future__ import annotations
 
@@ -304,7 +305,7 @@ def test_the_eval_line_says_which_weights_it_evaluated_and_a_config_key_chooses(
 def test_the_trained_model_and_ema_are_read_only_views_of_the_live_objects(tmp_path):
     trainer = LMTrainer(config(str(tmp_path)))
     trainer.train(ResumableBatches(records()), steps=2)
-    assert trainer.model is trainer.objects()["model"] and trainer.ema is trainer.objects()["ema"]
+    assert trainer.model is trainer.training_state["model"] and trainer.ema is trainer.training_state["ema"]
     kernel = trainer.states["model"]["mix"]["kernel"].get_value()
     np.testing.assert_array_equal(np.asarray(trainer.model.mix.kernel.get_value()), np.asarray(kernel))
     with pytest.raises(AttributeError, match="read-only view of the live model"):

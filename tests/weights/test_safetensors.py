@@ -1,4 +1,5 @@
-"""Pretrained safetensors weights streamed into shards, written back bitwise, and LoRA trained through the Trainer."""
+"""Pretrained safetensors weights streamed into shards, written back bitwise, and LoRA trained through the
+Trainer."""
 
 from __future__ import annotations
 
@@ -333,7 +334,7 @@ def test_the_trainer_trains_only_the_lora_adapters_by_default():
     )
     trainer.init()
     assert trainer.loaded
-    base = np.asarray(trainer.objects()["model"].layers[0].kernel.get_value()).copy()
+    base = np.asarray(trainer.training_state["model"].layers[0].kernel.get_value()).copy()
     opt_paths = [p for p, _ in ns.flatten_state(trainer.states["optimizer"])]
     assert opt_paths and all("lora" in p for p in opt_paths if "mu" in p or "nu" in p)
     assert all("lora" in p for p, _ in ns.flatten_state(trainer.states["ema"]))
@@ -341,7 +342,9 @@ def test_the_trainer_trains_only_the_lora_adapters_by_default():
     x = rng.normal(size=(16, 8)).astype(np.float32)
     history = trainer.train(lambda s: {"x": x, "y": x[:, :1]})
     assert history[-1]["loss"] < history[0]["loss"]
-    np.testing.assert_array_equal(np.asarray(trainer.objects()["model"].layers[0].kernel.get_value()), base)
+    np.testing.assert_array_equal(
+        np.asarray(trainer.training_state["model"].layers[0].kernel.get_value()), base
+    )
 
 
 def test_checkpoints_without_the_frozen_base_restore_on_top_of_the_same_base_only(tmp_path):
@@ -432,7 +435,7 @@ def test_qwix_lora_trains_its_adapters_only_and_merges_with_its_scale(tmp_path):
     x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
     history = trainer.train(lambda s: {"x": x, "y": x[:, :1]})
     assert history[-1]["loss"] < history[0]["loss"]
-    model = trainer.objects()["model"]
+    model = trainer.training_state["model"]
     np.testing.assert_array_equal(np.asarray(model.a.kernel.get_value()), base)
     assert trainer.plan.leaf("model/a/kernel_lora_a").label == "trainable"
     rules = [(r"(a|b)\.weight", r"\1/kernel", "T"), (r"(a|b)\.bias", r"\1/bias")]

@@ -13,11 +13,11 @@ Gemma): Llama 3.1 (theta 5e5), Llama 3.2 (5e5, ``llama3`` scaling, tied), Mistra
 copy). Each folder holds ``reference.safetensors``: the 2 x 24 token ids and torch's float32 logits (for a
 bf16 copy, of the bf16 weights computed in float32). About 150-300 KB per folder.
 
-One folder per family (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``), written by ``save_pretrained`` as the hub lays
-models out (several safetensors files and ``model.safetensors.index.json``), plus ``reference.safetensors``:
-the token ids and torch's float32 logits for them. rope_theta is 1e6 for Llama and Qwen, the value
-google-tunix's attention uses whatever its config says (Gemma's is 10,000 on both sides). About 150 KB per
-family.
+One folder per family (``llama``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``, ``gemma3``), written by
+``save_pretrained`` as the hub lays models out (several safetensors files and
+``model.safetensors.index.json``), plus ``reference.safetensors``: the token ids and torch's float32 logits
+for them. rope_theta is 1e6 for Llama and Qwen, the value google-tunix's attention uses whatever its config
+says (Gemma's is 10,000 on both sides). About 150 KB per family.
 """
 
 from __future__ import annotations
@@ -33,10 +33,18 @@ from safetensors.numpy import save_file
 
 HERE = Path(__file__).parent
 COMMON = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=16, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+)
 GEMMA = dict(tie_word_embeddings=True, rope_theta=10_000.0, hidden_activation="gelu_pytorch_tanh")
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -49,8 +57,13 @@ FAMILIES = {
         transformers.Gemma2Config,
         transformers.Gemma2ForCausalLM,
         dict(
-            GEMMA, num_key_value_heads=2, query_pre_attn_scalar=16, sliding_window=16,
-            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attn_implementation="eager",
+            GEMMA,
+            num_key_value_heads=2,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            attn_implementation="eager",
         ),
     ),
     # Gemma 3 (text): q/k norms, a local rope base; its first 5 of every 6 layers slide, as tunix's pattern
@@ -58,11 +71,16 @@ FAMILIES = {
         transformers.Gemma3TextConfig,
         transformers.Gemma3ForCausalLM,
         dict(
-            GEMMA, num_key_value_heads=1, query_pre_attn_scalar=16, sliding_window=16, rope_theta=1_000_000.0,
-            rope_local_base_freq=10_000.0, attn_implementation="eager",
+            GEMMA,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            attn_implementation="eager",
         ),
     ),
-}  # fmt: skip
+}
 TOKENS = np.array([[1, 5, 9, 17, 33, 65, 127, 3], [2, 4, 8, 16, 32, 64, 100, 7]], np.int64)
 REAL_TOKENS = np.stack([np.arange(24) * 5 % 127 + 1, np.arange(24)[::-1] * 3 % 120 + 2]).astype(np.int64)
 LLAMA3_SCALING = dict(
@@ -77,29 +95,51 @@ REAL = {
     "llama32": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
-        dict(rope_theta=500_000.0, rope_scaling=LLAMA3_SCALING, tie_word_embeddings=True, max_position_embeddings=256),
+        dict(
+            rope_theta=500_000.0,
+            rope_scaling=LLAMA3_SCALING,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+        ),
         None,
     ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None), None),
     "qwen25": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True), None),
-    "qwen25_bf16": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True), torch.bfloat16),
+    "qwen25_bf16": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=True),
+        torch.bfloat16,
+    ),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=5_000_000.0), None),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, GEMMA, None),
     "gemma2": (
         transformers.Gemma2Config,
         transformers.Gemma2ForCausalLM,
         dict(
-            GEMMA, num_hidden_layers=4, num_key_value_heads=2, query_pre_attn_scalar=16, sliding_window=8,
-            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, attn_implementation="eager",
+            GEMMA,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            attn_implementation="eager",
         ),
         None,
     ),
-}  # fmt: skip
+}
 _GEMMA3 = dict(
-    GEMMA, num_hidden_layers=6, num_key_value_heads=1, query_pre_attn_scalar=16, sliding_window=8,
-    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+    GEMMA,
+    num_hidden_layers=6,
+    num_key_value_heads=1,
+    query_pre_attn_scalar=16,
+    sliding_window=8,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
     attn_implementation="eager",
-)  # fmt: skip
+)
 REAL["gemma3"] = (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, _GEMMA3, None)
 REAL["gemma3_bf16"] = (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, _GEMMA3, torch.bfloat16)
 
