@@ -2,6 +2,20 @@
 
 # _versions first: a jax/flax pair that cannot import is named before anything imports flax
 from nnx_shard._base import _versions  # noqa: F401
+from nnx_shard._base._blocks import (
+    Block,
+    assemble,
+    block_of_shard,
+    block_shape,
+    block_size,
+    blocks,
+    contains,
+    device_order,
+    holder,
+    intersect,
+    missing_elements,
+    relative,
+)
 from nnx_shard._base._bytes import format_bytes, format_table, parse_bytes
 from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, cached, clear_caches
 from nnx_shard._base._jax_private import abstract_construction, distributed_client, threefry_kernel
@@ -27,7 +41,7 @@ from nnx_shard._base._paths import (
     path_str,
     visible,
 )
-from nnx_shard._base._processes import gather_json, holding_processes, mesh_processes
+from nnx_shard._base._processes import holding_processes, mesh_processes
 from nnx_shard._base._specs import (
     WHOLE,
     Spec,
@@ -65,6 +79,7 @@ __all__ = [
     "MODEL",
     "OPTIMIZER",
     "WHOLE",
+    "Block",
     "CompileClock",
     "Kind",
     "Leaf",
@@ -73,14 +88,21 @@ __all__ = [
     "TrainingState",
     "abstract_construction",
     "as_state",
+    "assemble",
+    "block_of_shard",
+    "block_shape",
+    "block_size",
+    "blocks",
     "bytes_per_device",
     "cached",
     "calculate_host_mesh_shape",
     "check_every_process_in",
     "check_model",
     "clear_caches",
+    "contains",
     "create_mesh",
     "describe_mesh",
+    "device_order",
     "distributed_client",
     "ema_as_model_restored",
     "ema_as_model_target",
@@ -93,19 +115,22 @@ __all__ = [
     "format_bytes",
     "format_spec",
     "format_table",
-    "gather_json",
+    "holder",
     "holding_processes",
     "in_threads",
+    "intersect",
     "is_graph_object",
     "is_key",
     "is_variable",
     "itemsize",
     "mesh_from_string",
     "mesh_processes",
+    "missing_elements",
     "normalize_spec",
     "parse_bytes",
     "parse_mesh_dims",
     "path_str",
+    "relative",
     "resolve_mesh",
     "shard_shape",
     "spec_axes",

@@ -1,31 +1,11 @@
-"""What each process says, heard by all: small JSON values gathered across the job's processes."""
+"""Which processes hold a mesh or arrays (the collectives between processes are ``_cluster``'s)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
-
-
-def gather_json(value: Any) -> list[Any]:
-    """Every process's ``value`` (anything JSON holds), in process order: a collective of every process.
-
-    >>> gather_json({"step": 3})  # one process
-    [{'step': 3}]
-    """
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    if jax.process_count() == 1:
-        return [json.loads(data.tobytes())]
-    from jax.experimental import multihost_utils
-
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).ravel()
-    raw = np.zeros((int(sizes.max()),), np.uint8)
-    raw[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(raw)).reshape(len(sizes), -1)
-    return [json.loads(r[:size].tobytes()) for r, size in zip(rows, sizes, strict=True)]
 
 
 def mesh_processes(mesh: Mesh) -> list[int]:

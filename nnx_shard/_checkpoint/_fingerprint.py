@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import cached, entry_axes, gather_json, holding_processes, in_threads, is_key
+from nnx_shard._base import cached, entry_axes, holding_processes, in_threads, is_key
+from nnx_shard._cluster import gather_json
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.

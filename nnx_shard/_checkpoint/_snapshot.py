@@ -45,9 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import gather_json
 from nnx_shard._checkpoint._fingerprint import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
@@ -58,6 +57,7 @@ from nnx_shard._checkpoint._snapshot_file import (
     mapped,
     own_shards,
 )
+from nnx_shard._cluster import gather_json, process_mesh
 from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
@@ -93,17 +93,6 @@ def peers(domains: Sequence[str]) -> list[int]:
     for k, i in enumerate(order):
         dest[i] = order[(k + shift) % n]
     return dest
-
-
-def process_mesh() -> Mesh:
-    """A 1-D mesh ``("p",)`` of one device per process (its lowest id): for collectives between processes."""
-    n = jax.process_count()
-    return Mesh(
-        np.array(
-            [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(n)]
-        ),
-        ("p",),
-    )
 
 
 def exchange(buf: np.ndarray, dest: Sequence[int]) -> Any:

@@ -24,16 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import gather_json
+from nnx_shard._base import Block, block_of_shard, intersect, relative
 from nnx_shard._checkpoint._format import leaf_paths, map_leaves, storable, tree_fingerprints
-from nnx_shard._checkpoint._snapshot import process_mesh
 from nnx_shard._checkpoint._snapshot_file import unpack
+from nnx_shard._cluster import all_to_all, gather_json
 
 logger = logging.getLogger("nnx_shard")
-Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 
 
 @dataclasses.dataclass
@@ -84,61 +81,23 @@ def choose(holdings: list[list[list[int]]], previous: int, after: int) -> tuple[
     return None, {}
 
 
-def _box(index: Any, shape: tuple[int, ...]) -> Box:
-    return tuple(
-        (s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape, strict=True)
-    )
-
-
-def _overlap(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _within(box: Box, outer: Box) -> tuple[slice, ...]:
-    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, outer, strict=True))
-
-
-def _moves(pieces: list[list[Any]], targets: dict[str, Any]) -> Iterator[tuple[int, int, int, Box, Box]]:
+def _moves(pieces: list[list[Any]], targets: dict[str, Any]) -> Iterator[tuple[int, int, int, Block, Block]]:
     """``(server, new process, piece number, piece box, overlap)`` of every block a new shard needs, in one
     order every process computes alike."""
-    regions: dict[str, list[tuple[int, Box]]] = {}
+    regions: dict[str, list[tuple[int, Block]]] = {}
     for path, x in targets.items():
         seen = set()
         for device, index in x.sharding.devices_indices_map(x.shape).items():
-            key = (device.process_index, _box(index, x.shape))
+            key = (device.process_index, block_of_shard(index, x.shape))
             if key not in seen:
                 seen.add(key)
                 regions.setdefault(path, []).append(key)
     for k, (server, path, box) in enumerate(pieces):
         piece = tuple(tuple(b) for b in box)
         for q, region in sorted(regions.get(path, [])):
-            common = _overlap(piece, region)
+            common = intersect(piece, region)
             if common is not None:
                 yield server, q, k, piece, common
-
-
-def _all_to_all(chunks: list[bytes]) -> list[np.ndarray]:
-    """Sends ``chunks[q]`` to process ``q`` and returns what each process sent here, by one JAX all_to_all."""
-    n, me = jax.process_count(), jax.process_index()
-    if n == 1:
-        return [np.frombuffer(chunks[0], np.uint8)]
-    sizes = np.asarray(
-        multihost_utils.process_allgather(np.array([len(c) for c in chunks], np.int64))
-    ).reshape(n, n)
-    width = max(int(sizes.max()), 1)
-    rows = np.zeros((n, width), np.uint8)
-    for q, chunk in enumerate(chunks):
-        rows[q, : len(chunk)] = np.frombuffer(chunk, np.uint8)
-    mesh, spec = process_mesh(), PartitionSpec("p")
-    devices = list(mesh.devices.flat)
-    local = jax.device_put(rows, devices[me])
-    whole = jax.make_array_from_single_device_arrays((n * n, width), NamedSharding(mesh, spec), [local])
-    program = jax.shard_map(
-        lambda x: jax.lax.all_to_all(x, "p", 0, 0, tiled=True), mesh=mesh, in_specs=spec, out_specs=spec
-    )
-    got = np.asarray(jax.jit(program)(whole).addressable_shards[0].data)
-    return [got[s, : int(sizes[s, me])] for s in range(n)]
 
 
 def _read(files: list[Path], step: int) -> tuple[list[dict[str, Any]], dict[tuple[str, str], np.ndarray]]:
@@ -235,16 +194,16 @@ def _exchange(
         (k for k, p in enumerate(catalogue) if p[0] == me), 0
     )  # ``local`` is the catalogue from here
     outgoing: list[list[bytes]] = [[] for _ in range(jax.process_count())]
-    blocks: dict[str, list[tuple[Box, np.ndarray]]] = {}
+    blocks: dict[str, list[tuple[Block, np.ndarray]]] = {}
     moves = list(_moves(catalogue, targets))
     for server, q, k, piece, common in moves:
         if server == me:
-            part = np.array(local[k - first][_within(common, piece)], order="C")
+            part = np.array(local[k - first][relative(common, piece)], order="C")
             if q == me:
                 blocks.setdefault(catalogue[k][1], []).append((common, part))
             else:
                 outgoing[q].append(part.tobytes())
-    received = _all_to_all([b"".join(c) for c in outgoing])
+    received = all_to_all([b"".join(c) for c in outgoing])
     at = [0] * len(received)
     for server, q, k, _, common in moves:
         if q == me and server != me:
@@ -257,18 +216,18 @@ def _exchange(
     return blocks
 
 
-def _place(path: str, x: jax.Array, blocks: list[tuple[Box, np.ndarray]]) -> jax.Array:
+def _place(path: str, x: jax.Array, blocks: list[tuple[Block, np.ndarray]]) -> jax.Array:
     """``x``'s shards for this process's devices, each filled from the blocks (of ``path``) inside it."""
     parts = {}
     per_device = []
     for device, index in x.sharding.addressable_devices_indices_map(x.shape).items():
-        region = _box(index, x.shape)
+        region = block_of_shard(index, x.shape)
         if region not in parts:
             out = np.empty([hi - lo for lo, hi in region], x.dtype)
             filled = 0
             for common, data in blocks:
-                if _overlap(common, region) == common:
-                    out[_within(common, region)] = data
+                if intersect(common, region) == common:
+                    out[relative(common, region)] = data
                     filled += data.size
             if filled != out.size:
                 raise ValueError(f"snapshot pieces cover {filled} of {out.size} elements of {path} {region}")

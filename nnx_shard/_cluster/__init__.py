@@ -1,5 +1,12 @@
 """Processes and pods: the distributed runtime, the launcher, barriers, host-local data, TPU topologies."""
 
+from nnx_shard._cluster._coordination import (
+    Keys,
+    KeyValueStore,
+    all_to_all,
+    gather_json,
+    process_mesh,
+)
 from nnx_shard._cluster._distributed import (
     FAILED_AT,
     PREVIOUS_PROCESSES,
@@ -28,15 +35,20 @@ __all__ = [
     "STOPPED_AT",
     "CompileReport",
     "DataShard",
+    "KeyValueStore",
+    "Keys",
     "LaunchInfo",
+    "all_to_all",
     "barrier_sync",
     "compile_program",
     "data_shard",
     "data_sharding",
+    "gather_json",
     "hbm_bytes",
     "host_local_to_global",
     "initialize_distributed",
     "launch",
     "launch_info",
+    "process_mesh",
     "tpu_devices",
 ]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_shard._base import distributed_client
+from nnx_shard._cluster._coordination import Keys, KeyValueStore
 from nnx_shard.errors import BarrierTimeoutError, LocalSliceError, ShardingError
 
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp", "data", "batch")
@@ -65,30 +65,30 @@ def barrier_sync(name: str | None = None, timeout: float = 200) -> None:
         return
     if timeout <= 0:
         raise ShardingError(f"barrier_sync timeout must be positive seconds; got {timeout!r}.")
-    client = distributed_client()
+    store = KeyValueStore()
     barrier_id, shown = _barrier_id(name)
     me = jax.process_index()
-    client.key_value_set(f"nnx_shard_waiting/{me}", barrier_id, allow_overwrite=True)
-    client.key_value_set(f"nnx_shard_arrived/{barrier_id}/{me}", "1", allow_overwrite=True)
+    store.set(f"{Keys.WAITING}{me}", barrier_id)
+    store.set(f"{Keys.ARRIVED}{barrier_id}/{me}", "1")
     try:
-        client.wait_at_barrier(barrier_id, max(1, int(timeout * 1000)))
+        store.barrier(barrier_id, max(1, int(timeout * 1000)))
     except jax.errors.JaxRuntimeError as e:
         if e.error_code != DEADLINE_EXCEEDED:  # the status code, not the message's wording
             raise
-        report = _missing_report(client, barrier_id, shown, timeout, e)
+        report = _missing_report(store, barrier_id, shown, timeout, e)
         # Others may still be reporting: say where this process gave up.
-        client.key_value_set(f"nnx_shard_waiting/{me}", f"gave up:{barrier_id}", allow_overwrite=True)
+        store.set(f"{Keys.WAITING}{me}", f"gave up:{barrier_id}")
         raise BarrierTimeoutError(report) from None
-    client.key_value_set(f"nnx_shard_waiting/{me}", "", allow_overwrite=True)
+    store.set(f"{Keys.WAITING}{me}", "")
 
 
-def _missing_report(client: Any, barrier_id: str, shown: str, timeout: float, error: BaseException) -> str:
+def _missing_report(
+    store: KeyValueStore, barrier_id: str, shown: str, timeout: float, error: BaseException
+) -> str:
     n = jax.process_count()
     try:
-        arrived = {
-            int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"nnx_shard_arrived/{barrier_id}/")
-        }
-        waiting = dict(client.key_value_dir_get("nnx_shard_waiting/"))
+        arrived = {int(k.rsplit("/", 1)[1]) for k in store.directory(f"{Keys.ARRIVED}{barrier_id}/")}
+        waiting = store.directory(Keys.WAITING)
     except jax.errors.JaxRuntimeError:  # the service itself is failing: say what the barrier said
         return (
             f"barrier {shown!r} (id {barrier_id}) timed out after {timeout:g} s in process "

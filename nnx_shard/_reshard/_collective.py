@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from nnx_shard._base import cached
-from nnx_shard._reshard._blocks import Block, assemble, block_shape, blocks, contains
+from nnx_shard._base import Block, assemble, block_shape, blocks, cached, contains
 
 AXIS = "nnx_shard_devices"
 

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from nnx_shard._base import cached
-from nnx_shard._reshard._blocks import assemble
+from nnx_shard._base import assemble, cached
 from nnx_shard._reshard._collective import AXIS, Schedule, Transfer, build_schedule, line_sharding
 
 

@@ -10,9 +10,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from nnx_shard._base import flatten_with_paths, is_key, itemsize
+from nnx_shard._base import (
+    Block,
+    assemble,
+    block_of_shard,
+    blocks,
+    flatten_with_paths,
+    holder,
+    is_key,
+    itemsize,
+    relative,
+)
 from nnx_shard._reshard import _collective, _copy
-from nnx_shard._reshard._blocks import Block, assemble, block_of_shard, blocks, holder, relative
 from nnx_shard._reshard._host import from_host
 from nnx_shard._reshard._planner import ReshardPlan, Route, plan_leaf, schedule_jobs, traffic
 from nnx_shard.errors import ReshardError

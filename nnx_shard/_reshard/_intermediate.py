@@ -11,8 +11,16 @@ import jax  # noqa: F401  (the doctests use it)
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from nnx_shard._base import entry_size, normalize_spec
-from nnx_shard._reshard._blocks import Block, blocks, contains, device_order, intersect, size
+from nnx_shard._base import (
+    Block,
+    block_size,
+    blocks,
+    contains,
+    device_order,
+    entry_size,
+    intersect,
+    normalize_spec,
+)
 from nnx_shard.errors import NoIntermediateShardingError, NoIntermediateShardingNeededError
 
 # The search is bounded: at most this many partitions with the most shards are
@@ -125,8 +133,8 @@ def _arrange(
         )
         sharding = NamedSharding(mesh, spec)
         mid = blocks(sharding, shape)
-        in_place = sum(size(dst_blocks[d]) for d in dst_blocks if d in mid and mid[d] == dst_blocks[d])
-        kept = sum(size(x) for d, b in mid.items() if (x := intersect(b, src_blocks[d])) is not None)
+        in_place = sum(block_size(dst_blocks[d]) for d in dst_blocks if d in mid and mid[d] == dst_blocks[d])
+        kept = sum(block_size(x) for d, b in mid.items() if (x := intersect(b, src_blocks[d])) is not None)
         if best is None or (in_place, kept) > best[0]:
             best = ((in_place, kept), sharding)
     return best[0], best[1], ["replica"] if replica > 1 else []

@@ -12,9 +12,20 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from nnx_shard._base import cached, format_bytes, format_table, itemsize
+from nnx_shard._base import (
+    Block,
+    block_size,
+    blocks,
+    cached,
+    device_order,
+    format_bytes,
+    format_table,
+    holder,
+    intersect,
+    itemsize,
+    missing_elements,
+)
 from nnx_shard._reshard import _collective, _copy
-from nnx_shard._reshard._blocks import Block, blocks, device_order, holder, intersect, missing_elements, size
 
 # Arrays of at most this many bytes share one program with others of the same
 # signature (up to STACK of them), so a deep model of many small leaves pays for
@@ -190,7 +201,7 @@ def _plan_signature(shape: tuple[int, ...], dtype: Any, src: Sharding | None, ds
     """The plan of one leaf without its path, cached: deep models repeat a few signatures many times."""
     item = itemsize(dtype)
     dst_blocks = blocks(dst, shape)
-    dst_shard = max((size(b) for b in dst_blocks.values()), default=0) * item
+    dst_shard = max((block_size(b) for b in dst_blocks.values()), default=0) * item
     base = dict(path="", shape=shape, dtype=str(dtype))
     if src is None:
         return LeafReshard(
@@ -203,7 +214,7 @@ def _plan_signature(shape: tuple[int, ...], dtype: Any, src: Sharding | None, ds
             host="the input is host data",
         )
     src_blocks = blocks(src, shape)
-    src_shard = max(size(b) for b in src_blocks.values()) * item
+    src_shard = max(block_size(b) for b in src_blocks.values()) * item
     ideal = missing_elements(src_blocks, dst_blocks) * item
     if src.is_equivalent_to(dst, len(shape)) and device_order(src) == device_order(dst):
         return LeafReshard(
@@ -354,6 +365,6 @@ def traffic(
                 or (own is not None and intersect(common, own) == common)
             ):
                 continue
-            n = size(common) * item
+            n = block_size(common) * item
             into.setdefault(holder_device.id, [0, 0])[0] += n
             into.setdefault(device.id, [0, 0])[1] += n

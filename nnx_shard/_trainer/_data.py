@@ -15,8 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_shard._base import gather_json
-from nnx_shard._cluster import DataShard, data_sharding, host_local_to_global
+from nnx_shard._cluster import DataShard, data_sharding, gather_json, host_local_to_global
 from nnx_shard.errors import BatchStructureError, ConfigError, DataPositionWarning
 
 TOKEN_KEYS = ("tokens", "input_ids", "inputs_ids", "token_ids")

@@ -18,12 +18,10 @@ from typing import Any
 
 import jax
 
-from nnx_shard._base import distributed_client
-from nnx_shard._cluster import DEADLINE_EXCEEDED
+from nnx_shard._cluster import DEADLINE_EXCEEDED, Keys, KeyValueStore
 from nnx_shard._trainer import _data
 from nnx_shard.errors import DistributedNotInitializedError, StandbyError
 
-KEY = "nnx_shard/standby/"
 WAIT_MS = 3_600_000  # one blocking read of the coordination service; a standby process reads again after it
 
 
@@ -51,9 +49,9 @@ class Relay:
 
     def send(self, message: dict[str, Any]) -> None:
         """(leader) The next message to every standby process."""
-        key = f"{KEY}{self.generation}/{self.sent}"
+        key = f"{Keys.STANDBY}{self.generation}/{self.sent}"
         self.sent += 1
-        distributed_client().key_value_set(key, json.dumps(message))
+        KeyValueStore().set(key, json.dumps(message), overwrite=False)
 
     def receive(self) -> dict[str, Any]:
         """(standby) The leader's next message, waited for as long as it takes.
@@ -62,12 +60,12 @@ class Relay:
           StandbyError: the coordination service stopped answering (the leader's process is then gone too,
             or JAX ends this one first).
         """
-        key = f"{KEY}{self.generation}/{self.read}"
+        key = f"{Keys.STANDBY}{self.generation}/{self.read}"
         try:
-            client = distributed_client()
+            store = KeyValueStore()
             while True:
                 try:
-                    raw = client.blocking_key_value_get(key, WAIT_MS)
+                    raw = store.get(key, WAIT_MS)
                     break
                 except jax.errors.JaxRuntimeError as e:
                     if e.error_code != DEADLINE_EXCEEDED:

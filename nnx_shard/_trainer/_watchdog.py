@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._base import distributed_client
+from nnx_shard._cluster import Keys, KeyValueStore
 from nnx_shard.errors import DistributedNotInitializedError
 
 logger = logging.getLogger("nnx_shard")
@@ -30,13 +30,10 @@ POLL_S = 0.2
 ASK_S = 3.0  # how long the coordination service may take to say who is alive
 
 
-KEY = "nnx_shard/watchdog/"  # + process id: the section each process entered last
-
-
 def _enter(what: str) -> None:
     """Records in the coordination service that this process entered ``what`` (one small RPC)."""
     try:
-        distributed_client().key_value_set(f"{KEY}{jax.process_index()}", what, allow_overwrite=True)
+        KeyValueStore().set(f"{Keys.WATCHDOG}{jax.process_index()}", what)
     except (DistributedNotInitializedError, RuntimeError) as e:  # the timeout still ends a hang
         logger.debug("could not record the section %r: %s", what, e)
 
@@ -54,7 +51,7 @@ def missing_processes(what: str) -> str:
 
     def ask() -> None:
         try:
-            answer["at"] = dict(distributed_client().key_value_dir_get(KEY))
+            answer["at"] = KeyValueStore().directory(Keys.WATCHDOG)
         except (DistributedNotInitializedError, RuntimeError) as e:  # XlaRuntimeError is a RuntimeError
             answer["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 

@@ -31,10 +31,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from nnx_shard._base import Block, block_of_shard
 from nnx_shard._weights._file_views import file_views
 from nnx_shard._weights._keys import Rule, key_rules, mismatches, model_leaves, resolve_files, targets_of
 from nnx_shard._weights._peft import is_peft_folder, load_peft_adapters
-from nnx_shard._weights._transforms import Box, Op, aligned_empty, apply, copy_tiled, full_ops, source_box
+from nnx_shard._weights._transforms import Op, aligned_empty, apply, copy_tiled, full_ops, source_box
 from nnx_shard.errors import WeightsMismatchError
 from nnx_shard.key_maps import check_model_config, resolve_key_map
 
@@ -175,10 +176,6 @@ def _unfilled(
     return out, matched
 
 
-def _box(index: Any, shape: tuple[int, ...]) -> Box:
-    return tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(index, shape, strict=True))
-
-
 def load_safetensors(
     model: Any,
     files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -296,11 +293,11 @@ def _make_leaf(
 ) -> tuple[jax.Array, tuple[int, int, set]]:
     """Leaf ``x`` made anew from its file tensors on its own sharding, with the bytes read, the bytes its
     blocks hold in the files' dtypes and the casts made; each distinct block is read once."""
-    blocks: dict[Box, np.ndarray] = {}
+    blocks: dict[Block, np.ndarray] = {}
     tally = [0, 0, set()]
 
     def shard(index: Any) -> np.ndarray:
-        box = _box(index, x.shape)
+        box = block_of_shard(index, x.shape)
         if box not in blocks:
             blocks[box] = _fill_box(box, x, group, handles, views, tally)
         return blocks[box]
@@ -311,11 +308,11 @@ def _make_leaf(
 
 def _local_bytes(x: Any) -> int:
     """The bytes of ``x``'s distinct blocks on this process's devices."""
-    boxes = {_box(i, x.shape) for i in x.sharding.addressable_devices_indices_map(x.shape).values()}
+    boxes = {block_of_shard(i, x.shape) for i in x.sharding.addressable_devices_indices_map(x.shape).values()}
     return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * x.dtype.itemsize
 
 
-def _fill_box(box: Box, x: Any, group: list[_Fill], handles: dict, views: dict, tally: list) -> np.ndarray:
+def _fill_box(box: Block, x: Any, group: list[_Fill], handles: dict, views: dict, tally: list) -> np.ndarray:
     """The block ``box`` of leaf ``x`` from the file tensors that fill it, each read only where it overlaps.
 
     A block filled by one tensor is returned as a view of the file where it is one in another layout: the

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nnx_shard._base import Block
 from nnx_shard.errors import WeightsMismatchError
 
-Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 _CALL = re.compile(r"^\s*(T|transpose|reshape|split)\s*(?:\(([-\d,\s]*)\))?\s*$")
 
 
@@ -161,7 +161,7 @@ def _groups(old: tuple[int, ...], new: tuple[int, ...]) -> list[tuple[list[int],
     return out
 
 
-def _cover(op: Op, in_shape: tuple[int, ...], out_box: Box) -> tuple[Box, Box]:
+def _cover(op: Op, in_shape: tuple[int, ...], out_box: Block) -> tuple[Block, Block]:
     """The input box that covers ``out_box`` and the output box that input becomes (covering ``out_box``)."""
     if op.name == "transpose":
         inverse = np.argsort(op.args)
@@ -198,7 +198,7 @@ def _cover(op: Op, in_shape: tuple[int, ...], out_box: Box) -> tuple[Box, Box]:
     return tuple(in_box), tuple(cover)  # type: ignore[arg-type]
 
 
-def source_box(ops: Sequence[Op], file_shape: Sequence[int], box: Box) -> Box:
+def source_box(ops: Sequence[Op], file_shape: Sequence[int], box: Block) -> Block:
     """The box of the file tensor that ``ops`` turn into data covering ``box`` of the result."""
     shapes = [tuple(file_shape)]
     for op in ops:
@@ -208,7 +208,9 @@ def source_box(ops: Sequence[Op], file_shape: Sequence[int], box: Box) -> Box:
     return box
 
 
-def apply(ops: Sequence[Op], file_shape: Sequence[int], data: np.ndarray, read: Box, want: Box) -> np.ndarray:
+def apply(
+    ops: Sequence[Op], file_shape: Sequence[int], data: np.ndarray, read: Block, want: Block
+) -> np.ndarray:
     """``want`` of the transformed tensor, from ``data``: the file tensor's box ``read`` (see
     :func:`source_box`)."""
     shapes = [tuple(file_shape)]

@@ -1,4 +1,5 @@
-"""Block arithmetic: which part of a global array each device holds, and how blocks meet.
+"""Block arithmetic, the one block type of the package: which part of a global array each device holds,
+and how blocks meet. Resharding, snapshots and weight loading all count in blocks.
 
 A block is a tuple of ``(start, stop)`` per dimension; a 0-d array's block is ``()``.
 """
@@ -50,7 +51,7 @@ def block_shape(block: Block) -> tuple[int, ...]:
     return tuple(b - a for a, b in block)
 
 
-def size(block: Block) -> int:
+def block_size(block: Block) -> int:
     return math.prod(b - a for a, b in block)
 
 
@@ -74,7 +75,7 @@ def missing_elements(src: Mapping[Any, Block], dst: Mapping[Any, Block]) -> int:
     for device, block in dst.items():
         have = src.get(device)
         inter = intersect(have, block) if have is not None else None
-        missing += size(block) - (size(inter) if inter is not None else 0)  # () is a 0-d block
+        missing += block_size(block) - (block_size(inter) if inter is not None else 0)  # () is a 0-d block
     return missing
 
 
