@@ -133,9 +133,13 @@ def resume(workdir: str, mesh: str = "fsdp:-1", step: int | None = None, until: 
     restored = digest(trainer)
     kernel = trainer.states["model"]["l1"]["kernel"].get_value()
     lock = os.path.join(workdir, "nnx_shard.lock")
-    holders = []  # whose pid the workdir lock names while training (process 0's, for every process)
+    # whose pid the workdir lock names while training (process 0's, for every process); not after the last
+    # step, which process 0 may finish, lock released, before another process's callback reads the file
+    holders = []
     trainer.add_callback(
-        lambda s, m, t: holders.append(json.load(open(lock))["pid"] if os.path.exists(lock) else None)
+        lambda s, m, t: (
+            s < until and holders.append(json.load(open(lock))["pid"] if os.path.exists(lock) else None)
+        )
     )
     history = trainer.train(batch_for)
     return {
