@@ -126,7 +126,9 @@ def test_evaluate_compiles_once_and_weights_batches_by_their_rows():
     first = trainer.evaluate([small, large])
     trainer.evaluate([small, large])
     trainer.evaluate([small, large], use_ema=True)
-    assert trainer.running.eval._fn._cache_size() == 2  # one per batch signature (8 and 24 rows), not one per call
+    assert (
+        trainer.running.eval._fn._cache_size() == 2
+    )  # one per batch signature (8 and 24 rows), not one per call
     whole = trainer.evaluate([stack(rows[:32])])
     assert first["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-5)  # 8 and 24 rows weighed as 32
 

@@ -1,0 +1,124 @@
+"""Fingerprints (``_checkpoint/_fingerprint``): the same on every sharding and every way of computing them,
+and a changed word seen."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_shard as ns
+
+# How fingerprints are computed: by the devices' programs, in NumPy on the host (small arrays), or
+# in place on CPU devices by marginal sums. Every way must give the same fingerprint.
+PATHS = {"programs": (-1, False), "host": (2**20, False), "in place": (-1, True)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
+def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word(dtype, monkeypatch):
+    from nnx_shard._checkpoint import _fingerprint
+    from nnx_shard._checkpoint._fingerprint import fingerprints
+
+    devices = np.array(jax.devices())
+    bits = np.random.default_rng(0).integers(0, 256, (64, 24, 8 * np.dtype(dtype).itemsize), dtype=np.uint8)
+    host = bits.view(dtype) if dtype != "bool" else bits % 2 == 1
+    assert host.shape == (64, 24, 8)
+    layouts = [
+        NamedSharding(Mesh(devices, ("f",)), P("f")),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("b", None, "a")),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P(None, ("a", "b"))),
+        NamedSharding(Mesh(devices[:3], ("r",)), P(None, "r")),
+        NamedSharding(Mesh(devices[:1], ("one",)), P()),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("a", "b")), P("a")),  # replicated over b: each block once
+    ]
+    prints, changed_prints = set(), set()
+    changed = host.copy()
+    if dtype == "bool":
+        changed[40, 5, 3] = ~changed[40, 5, 3]
+    else:
+        changed[40, 5, 3:4].view(np.uint8)[0] ^= 1  # one bit of one word
+    for host_bytes, in_place in PATHS.values():
+        monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        prints |= {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
+        prints.add(fingerprints([np.asarray(host)])[0])  # host data
+        changed_prints.add(fingerprints([jax.device_put(changed, layouts[1])])[0])
+    assert len(prints) == 1 and len(changed_prints) == 1
+    assert changed_prints.isdisjoint(prints)
+    # the shares of each layout's blocks, summed on the host where a snapshot writes them, give the same
+    assert {block_shares(jax.device_put(host, s)) for s in layouts} == prints
+
+
+def block_shares(x: jax.Array) -> str:
+    """The fingerprint of ``x`` as the sum of its distinct blocks' shares (``block_fingerprint``)."""
+    from nnx_shard._checkpoint._fingerprint import block_fingerprint
+
+    blocks = {
+        tuple(s.start or 0 for s in shard.index): np.asarray(shard.data) for shard in x.addressable_shards
+    }
+    return f"{sum(block_fingerprint(d, start, x.shape) for start, d in blocks.items()) % 2**32:08x}"
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((8192,), P("f")),
+        ((12288,), P()),
+        ((48, 7), P("f")),
+        ((8, 6, 5), P(None, "f")),
+        ((40, 6), P(None, "f")),
+    ],
+    ids=str,
+)
+def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatch):
+    # One long row is summed as rows of up to 4096 words; an odd stride before the last
+    # dimension (the (48, 7) and (8, 6, 5) cases) leaves the array to the devices' programs.
+    from nnx_shard._checkpoint import _fingerprint
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices[: 8 if spec == P("f") else 2], ("f",))
+    host = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    x = jax.device_put(host, NamedSharding(mesh, spec))
+    got = set()
+    for host_bytes, in_place in PATHS.values():
+        monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
+        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        got.add(_fingerprint.fingerprints([x])[0])
+    assert len(got) == 1 and got == {block_shares(x)}
+    assert _fingerprint._in_place(x) == (shape not in [(48, 7), (8, 6, 5)])
+
+
+def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
+    # A first restore's verification on CPU devices compiles no program: small arrays (biases,
+    # norm scales, counters) are summed on the host, large ones in place where they lie.
+    import jax.numpy as jnp
+
+    from nnx_shard._checkpoint import _fingerprint
+
+    mesh = Mesh(np.array(jax.devices()), ("f",))
+    small = [
+        jax.device_put(jnp.arange(3072.0), NamedSharding(mesh, P())),
+        jax.device_put(jnp.arange(4096, dtype=jnp.int8), NamedSharding(mesh, P("f"))),
+        jnp.int32(7),
+    ]
+    large = jax.device_put(jnp.ones((512, 64)), NamedSharding(mesh, P("f")))
+    ns.clear_caches()
+    with jax.transfer_guard("disallow"):  # reading a CPU buffer in place is no transfer
+        got = _fingerprint.fingerprints([*small, large])
+    assert _fingerprint._program.cache_info().currsize == 0
+    assert _fingerprint._shard_program.cache_info().currsize == 0
+    monkeypatch.setattr(_fingerprint, "HOST_BYTES", -1)
+    monkeypatch.setattr(_fingerprint, "IN_PLACE", False)
+    assert got == _fingerprint.fingerprints([*small, large])  # the same as the devices' programs
+    assert _fingerprint._shard_program.cache_info().currsize == 3  # what these paths spare: 3 compiles
+
+
+def test_block_shares_of_scalars_and_key_data_add_up_to_the_fingerprint():
+    import jax.numpy as jnp
+
+    from nnx_shard._checkpoint._fingerprint import fingerprints
+
+    for x in (jnp.int32(7), jnp.float32(-0.5), jax.random.key_data(jax.random.split(jax.random.key(0), 3))):
+        assert block_shares(x) == fingerprints([x])[0], x
