@@ -32,7 +32,7 @@ def one_round(ns, nnx, jax, cls, config, mesh) -> dict[str, float]:
     jax.block_until_ready(jax.jit(lambda: nnx.state(factory())).lower().compile()())
     t2 = time.perf_counter()
     factory = lambda: cls(config, rngs=nnx.Rngs(0))
-    init, _, _ = ns.sharded_init_fn(factory, STRATEGY, mesh)
+    init, _, _ = ns.placement.sharded_init_fn(factory, STRATEGY, mesh)
     t3 = time.perf_counter()
     compiled = init.lower().compile()
     t4 = time.perf_counter()

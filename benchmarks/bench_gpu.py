@@ -327,7 +327,7 @@ def part_restore(s: dict, work: Path, variant: str) -> dict:
             states = hooks.states()
         else:  # plain Orbax into the same shardings, the target built by hand
             report = ""
-            target = ns.abstract_target({k: nnx.state(v) for k, v in abstract.items()}, shardings)
+            target = ns.placement.abstract_target({k: nnx.state(v) for k, v in abstract.items()}, shardings)
             restore = ocp.args.PyTreeRestore(
                 target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
             )
@@ -467,7 +467,7 @@ def _vit_init(config: str):
 
     cfg = get_config(config)
     trainer = ViTTrainer({**cfg.to_dict(), "workdir": "", "progress": "off"})
-    return ns.sharded_init_fn(trainer._create, cfg.sharding_strategy, trainer.mesh)
+    return ns.placement.sharded_init_fn(trainer._create, cfg.sharding_strategy, trainer.mesh)
 
 
 def part_vit_init(s: dict, work: Path, variant: str) -> dict:
@@ -496,7 +496,7 @@ def part_init_bits(s: dict, work: Path) -> dict:
     flag."""
     import jax
 
-    from nnx_shard import flatten_state
+    from nnx_shard.sharding import flatten_state
 
     def bits(v):
         x = v.get_value() if hasattr(v, "get_value") else v

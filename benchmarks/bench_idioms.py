@@ -8,7 +8,7 @@ Questions:
   alternating rounds in one process. Target: explicit / auto <= 1.03.
 - Does ``restore_and_reshard`` on a checkpoint written by Orbax's own ``CheckpointManager``
   cost more than restoring it with Orbax directly into the same shardings
-  (``StandardRestore`` of ``ns.abstract_target``)? Saved on 8 devices, restored on 4,
+  (``StandardRestore`` of ``ns.placement.abstract_target``)? Saved on 8 devices, restored on 4,
   alternating. Target: ours / Orbax <= 1.10 (ours also reads the tree metadata to choose the item).
 
     python benchmarks/bench_idioms.py [--smoke]
@@ -81,7 +81,9 @@ def restore_times(layers, width, rounds):
         del live
         t = time.perf_counter()
         with ocp.CheckpointManager(folder) as manager:
-            got = manager.restore(1, args=ocp.args.StandardRestore(ns.abstract_target(fresh, shardings)))
+            got = manager.restore(
+                1, args=ocp.args.StandardRestore(ns.placement.abstract_target(fresh, shardings))
+            )
         jax.block_until_ready(got)
         theirs.append(time.perf_counter() - t)
         equal.append(max_abs_diff(mine, got) == 0.0 and jax.tree.leaves(mine)[0].sharding.mesh == mesh4)

@@ -153,12 +153,12 @@ def child(mode: str, folder: str, s: dict[str, int]) -> dict:
     start = time.perf_counter()
     if mode == "place":  # placing the same shards from host memory that is already there: no reading
         blocks = {}
-        for _, v in ns.flatten_state(nnx.state(live)):
+        for _, v in ns.sharding.flatten_state(nnx.state(live)):
             x = v.get_value()
             for index in x.sharding.addressable_devices_indices_map(x.shape).values():
                 blocks[(id(v), str(index))] = np.ones(_shape(index, x.shape), x.dtype)
         start = time.perf_counter()
-        for _, v in ns.flatten_state(nnx.state(live)):
+        for _, v in ns.sharding.flatten_state(nnx.state(live)):
             x = v.get_value()
             v.set_value(
                 jax.make_array_from_callback(x.shape, x.sharding, lambda i, v=v: blocks[(id(v), str(i))])
@@ -180,7 +180,7 @@ def child(mode: str, folder: str, s: dict[str, int]) -> dict:
                     m = re.fullmatch(regex, name)
                     if m is not None:
                         host[m.expand(target)] = t.T
-        flat = dict(ns.flatten_state(nnx.state(live)))
+        flat = dict(ns.sharding.flatten_state(nnx.state(live)))
         values = {p: host[p].reshape(flat[p].get_value().shape) for p in flat}
         placed = ns.place_like_target(values, {p: flat[p].get_value().sharding for p in flat})
         jax.block_until_ready(placed)

@@ -136,7 +136,7 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
     ours = variant.startswith("nnx_shard")
     if ours:
         t = time.perf_counter()
-        there_plan, back_plan = ns.plan_reshard(state, to_tp), None
+        there_plan, back_plan = ns.resharding.plan_reshard(state, to_tp), None
         result["plan_s"] = round(time.perf_counter() - t, 3)
     else:  # does the baseline copy through the host? A small probe under the guard says.
         probe = jax.device_put(
@@ -165,7 +165,7 @@ def run_variant(variant: str, layers: int, width: int) -> dict[str, object]:
             state = jax.block_until_ready(move(state, to_tp))
             there = time.perf_counter() - t
             if ours and back_plan is None:
-                back_plan = ns.plan_reshard(state, to_fsdp)
+                back_plan = ns.resharding.plan_reshard(state, to_fsdp)
             t = time.perf_counter()
             state = jax.block_until_ready(move(state, to_fsdp))
             back = time.perf_counter() - t

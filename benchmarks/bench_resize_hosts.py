@@ -45,7 +45,7 @@ def worker(variant: str, layers: int, width: int, out: str) -> None:
 
     import nnx_shard as ns
 
-    ns.initialize_distributed()
+    ns.cluster.initialize_distributed()
     everywhere = ns.create_mesh((-1,), ("fsdp",))
     first = ns.create_mesh((-1,), ("fsdp",), devices=[d for d in jax.devices() if d.process_index == 0])
     meshes = {"off": first, "back": everywhere}
@@ -160,7 +160,7 @@ def main() -> None:
         variant, layers, width, out = args.worker
         worker(variant, int(layers), int(width), out)
         return
-    from nnx_shard import launch
+    from nnx_shard.cluster import launch
 
     layers, width = (2, 256) if args.smoke else (4, 2048)
     folder = tempfile.mkdtemp(prefix="bench_resize_hosts_")

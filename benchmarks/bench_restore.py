@@ -82,7 +82,7 @@ def restore(variant: str, directory: str, layers: int, width: int) -> dict[str, 
         report = ""
         states_abstract = {k: nnx.state(v) for k, v in abstract.items()}
         if variant == "orbax":  # the user builds the target by hand
-            target = ns.abstract_target(states_abstract, shardings)
+            target = ns.placement.abstract_target(states_abstract, shardings)
         else:  # seed: load whole onto one device, then place
             one = NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("d",)), PartitionSpec())
             target = jax.tree.map(

@@ -80,7 +80,7 @@ def quiet_trainer(width, depth, rows, cls=Bench, **config):
     )
     rng = np.random.default_rng(0)
     host = {k: rng.normal(size=(rows, width)).astype(np.float32) for k in ("x", "y")}
-    return trainer, ns.host_local_to_global(host, trainer.mesh)
+    return trainer, ns.cluster.host_local_to_global(host, trainer.mesh)
 
 
 def host_bound(smoke: bool) -> dict[str, float]:
@@ -127,7 +127,7 @@ def main() -> None:
         "x": rng.normal(size=(rows, width)).astype(np.float32),
         "y": rng.normal(size=(rows, width)).astype(np.float32),
     }
-    batch = ns.host_local_to_global(host, mesh)
+    batch = ns.cluster.host_local_to_global(host, mesh)
     trainer.init()
     jitted, states = hand_written_step(trainer, batch, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
     ours, theirs, diff = interleaved_timing(trainer, batch, jitted, states, steps, rounds)

@@ -150,7 +150,7 @@ def speed(smoke: bool) -> dict:
     from nnx_shard._base import abstract_construction
 
     out = {}
-    devices = ns.tpu_devices("v5e:2x4" if smoke else "v5e:16x16")
+    devices = ns.cluster.tpu_devices("v5e:2x4" if smoke else "v5e:16x16")
     mesh = ns.create_mesh((len(devices),), ("fsdp",), devices=devices)
     for layers in (4, 8) if smoke else (40, 80):
 
@@ -196,7 +196,7 @@ def main() -> None:
         result["compiled"].append(llama(cpu, args.smoke))
     if HAS_LIBTPU:
         if not args.smoke:  # XLA's TPU compiler takes ~8 s a layout here: not in the smoke run
-            tpu = ns.tpu_devices("v5e:2x4")
+            tpu = ns.cluster.tpu_devices("v5e:2x4")
             result["compiled"] += [vit(tpu, args.smoke), llama(tpu, args.smoke)]
         result["speed"] = speed(args.smoke)
     write_json(result, args.out)

@@ -3,7 +3,7 @@
 Question: from a laptop, does a ViT config fit a pod, and what does each chip hold? Each
 (config, topology) pair is compiled ahead of time by XLA's TPU compiler through libtpu
 (``examples/vit/train.py --aot``, which calls ``Trainer.compile_report``), in a fresh process so
-that every compile starts cold. Then ``ns.plan_reshard`` plans moving ViT-L/16's training state
+that every compile starts cold. Then ``ns.resharding.plan_reshard`` plans moving ViT-L/16's training state
 from all 256 chips of v5e:16x16 to its first 128, compiling its programs for that topology, and
 says what each chip sends and receives.
 
@@ -61,7 +61,7 @@ def reshard_move(smoke: bool) -> dict:
     from examples.vit.trainer import ViTTrainer
 
     topology, config = ("v5e:2x4", "tiny") if smoke else ("v5e:16x16", "l16")
-    devices = ns.tpu_devices(topology)
+    devices = ns.cluster.tpu_devices(topology)
     cfg = get_config(config)
     cfg.progress = "off"
     trainer = ViTTrainer(cfg)
@@ -73,9 +73,9 @@ def reshard_move(smoke: bool) -> dict:
     small = ns.create_mesh((len(devices) // 2,), ("fsdp",), devices=devices[: len(devices) // 2])
     src = ns.plan_sharding(states, strategy, big)
     dst = ns.plan_sharding(states, strategy, small)
-    tree = {k: ns.abstract_target(states[k], src.shardings[k]) for k in states}
+    tree = {k: ns.placement.abstract_target(states[k], src.shardings[k]) for k in states}
     start = time.perf_counter()
-    plan = ns.plan_reshard(tree, dst.shardings)
+    plan = ns.resharding.plan_reshard(tree, dst.shardings)
     seconds = time.perf_counter() - start
     del jax
     return {

@@ -73,14 +73,14 @@ def main() -> None:
         "images": rng.normal(size=(batch_size, size, size, channels)).astype(np.float32),
         "labels": rng.integers(0, cfg.data.num_classes, batch_size).astype(np.int32),
     }
-    batch = ns.host_local_to_global(host, trainer.mesh)
+    batch = ns.cluster.host_local_to_global(host, trainer.mesh)
     jitted, states = hand_written_step(trainer, batch, loss)
     ours, theirs, diff = interleaved_timing(trainer, batch, jitted, states, steps, rounds)
     result = {
         "benchmark": "bench_vit",
         "machine": machine(),
         "config": args.config,
-        "mesh": ns.describe_mesh(trainer.mesh),
+        "mesh": ns.meshes.describe_mesh(trainer.mesh),
         "params": sum(x.size for x in jax.tree.leaves(trainer.states["model"])),
         "batch": batch_size,
         "trainer_images_per_s": round(batch_size / ours, 1),

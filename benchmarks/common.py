@@ -293,7 +293,7 @@ def create_state(variant: str, create, strategy, mesh):
     import nnx_shard as ns
 
     if variant == "create_sharded":
-        init, _abstract, plan = ns.sharded_init_fn(create, strategy, mesh)
+        init, _abstract, plan = ns.placement.sharded_init_fn(create, strategy, mesh)
         memory = init.lower().compile().memory_analysis()
         return jax.block_until_ready(init()), plan, memory
     objects = create()  # unsharded, on the default device

@@ -39,7 +39,7 @@ def main() -> None:
     import nnx_shard as ns
     from examples.toy_models import MLP
 
-    mesh = ns.mesh_from_string(args.mesh)
+    mesh = ns.meshes.mesh_from_string(args.mesh)
     names = list(mesh.axis_names)
     strategy = [
         (".*embed.*", "replicate"),
@@ -58,7 +58,7 @@ def main() -> None:
 
     abstract = nnx.eval_shape(create)
     shardings, plan = ns.infer_sharding(abstract, strategy, mesh, return_plan=True)
-    print(f"== sharding plan on {jax.device_count()} devices ({ns.describe_mesh(mesh)})")
+    print(f"== sharding plan on {jax.device_count()} devices ({ns.meshes.describe_mesh(mesh)})")
     print(plan.summary())
     print()
     print(plan.table(max_rows=14))

@@ -80,16 +80,16 @@ EXAMPLES: dict[str, Example] = {
     "UnknownTacticError": Example(
         "Use a built-in tactic (`replicate`, `fsdp`, `shard_dim`, `spec`, `stacked`, `annotated`) or "
         "register "
-        "yours with `ns.register_tactic`.",
-        "ns.parse_tactic('shard_everything()')",
+        "yours with `ns.sharding.register_tactic`.",
+        "ns.sharding.parse_tactic('shard_everything()')",
     ),
     "TacticSyntaxError": Example(
         "Write the tactic as calls with literal arguments, chained with `|`: `fsdp(axis='fsdp')`.",
-        "ns.parse_tactic(\"fsdp(axis='fsdp'\")",
+        "ns.sharding.parse_tactic(\"fsdp(axis='fsdp'\")",
     ),
     "TacticArgumentError": Example(
         "Use the tactic's own argument names (its API page lists them).",
-        "ns.parse_tactic('fsdp(axes=\"fsdp\")')",
+        "ns.sharding.parse_tactic('fsdp(axes=\"fsdp\")')",
     ),
     "MeshAxisError": Example(
         "Name an axis the mesh has (the message lists them), or build the mesh with that axis.",
@@ -141,7 +141,7 @@ EXAMPLES: dict[str, Example] = {
         "Copy the shards directly: `ns.reshard` does so without an intermediate.",
         "mesh = ns.create_mesh((8,), ('fsdp',))\n"
         "src = jax.sharding.NamedSharding(mesh, jax.P('fsdp'))\n"
-        "ns.find_intermediate_sharding(src, src, (64,))",
+        "ns.resharding.find_intermediate_sharding(src, src, (64,))",
     ),
     "NoCheckpointError": Example(
         "Point at the directory that holds the step folders (a Trainer's workdir works), or train first; the "
@@ -233,7 +233,7 @@ EXAMPLES: dict[str, Example] = {
     ),
     "TopologyError": Example(
         "Name a topology libtpu knows (`v5e:2x4`, `v4:2x2x2`), or install `jax[tpu]`.",
-        "ns.tpu_devices('v9z:2x2')",
+        "ns.cluster.tpu_devices('v9z:2x2')",
     ),
     "CompileError": Example(
         "Read XLA's message it carries; a program that does not fit raises `NoLayoutFitsError` instead.",

@@ -103,69 +103,97 @@ TOPICS: dict[str, tuple[str, list[str]]] = {
             "plan_sharding",
             "infer_sharding",
             "ShardingPlan",
-            "LeafPlacement",
-            "Leaf",
-            "parse_tactic",
-            "Tactic",
-            "register_tactic",
-            "unregister_tactic",
-            "replicate",
-            "fsdp",
-            "shard_dim",
-            "spec",
-            "stacked",
-            "annotated",
-            "logical_to_mesh",
-            "auto_axes",
-            "flatten_state",
+            "sharding.LeafPlacement",
+            "sharding.Leaf",
+            "sharding.parse_tactic",
+            "sharding.Tactic",
+            "sharding.register_tactic",
+            "sharding.unregister_tactic",
+            "sharding.replicate",
+            "sharding.fsdp",
+            "sharding.shard_dim",
+            "sharding.spec",
+            "sharding.stacked",
+            "sharding.annotated",
+            "sharding.logical_to_mesh",
+            "sharding.auto_axes",
+            "sharding.flatten_state",
         ],
     ),
     "Meshes": (
         "Meshes from sizes or strings, described.",
-        ["create_mesh", "mesh_from_string", "parse_mesh_dims", "describe_mesh", "calculate_host_mesh_shape"],
+        [
+            "create_mesh",
+            "meshes.mesh_from_string",
+            "meshes.parse_mesh_dims",
+            "meshes.describe_mesh",
+            "meshes.calculate_host_mesh_shape",
+        ],
     ),
     "Placement": (
         "State onto its shardings without a whole array on one device.",
-        ["place_like_target", "abstract_target", "create_sharded", "sharded_init_fn", "clear_caches"],
+        [
+            "place_like_target",
+            "placement.abstract_target",
+            "create_sharded",
+            "placement.sharded_init_fn",
+            "clear_caches",
+        ],
     ),
     "Resharding": (
         "From one sharding to another, each byte moved once.",
         [
             "reshard",
-            "plan_reshard",
-            "ReshardPlan",
-            "LeafReshard",
-            "Route",
-            "find_intermediate_sharding",
+            "resharding.plan_reshard",
+            "resharding.ReshardPlan",
+            "resharding.LeafReshard",
+            "resharding.Route",
+            "resharding.find_intermediate_sharding",
             "ResizeReport",
         ],
     ),
     "Checkpoints": (
         "Save, and restore onto any mesh.",
-        ["Checkpointer", "restore_and_reshard", "RestoreOptions", "RestoreReport", "sources"],
+        [
+            "Checkpointer",
+            "restore_and_reshard",
+            "RestoreOptions",
+            "RestoreReport",
+            "sources.CheckpointSource",
+            "sources.LoadedState",
+            "sources.OrbaxSource",
+            "sources.ReadRequest",
+            "sources.SafetensorsFolder",
+            "sources.Snapshots",
+            "sources.Source",
+            "sources.as_source",
+            "sources.register_source",
+            "sources.registered",
+            "sources.unregister_source",
+        ],
     ),
     "Trainer": (
         "The training loop, and the hooks for your own.",
-        ["Trainer", "default_config", "ShardingHooks", "TrainingState", "Kind"],
+        ["Trainer", "default_config", "ShardingHooks", "TrainingState", "sharding.Kind"],
     ),
     "Weights": (
         "Hugging Face folders in and out.",
-        ["load_safetensors", "LoadReport", "save_safetensors", "save_peft_adapters"],
+        ["load_safetensors", "weights.LoadReport", "save_safetensors", "weights.save_peft_adapters"],
     ),
     "Cluster": (
         "Several processes, TPU topologies, data per process.",
         [
-            "initialize_distributed",
+            "cluster.initialize_distributed",
             "barrier_sync",
-            "launch",
-            "launch_info",
-            "LaunchInfo",
-            "host_local_to_global",
-            "data_sharding",
-            "data_shard",
-            "DataShard",
-            "tpu_devices",
-            "CompileReport",
+            "cluster.launch",
+            "cluster.launch_info",
+            "cluster.LaunchInfo",
+            "cluster.host_local_to_global",
+            "cluster.data_sharding",
+            "cluster.data_shard",
+            "cluster.DataShard",
+            "cluster.tpu_devices",
+            "cluster.CompileReport",
         ],
     ),
     "Suggest": ("Rules for a memory budget, checked by the compiler.", ["suggest", "Suggestion"]),
@@ -173,10 +201,14 @@ TOPICS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+NAMESPACES = ("sharding", "meshes", "placement", "resharding", "cluster", "weights", "sources")
+
+
 def public_names() -> list[str]:
     """The names of ``nnx_shard`` with an API page: all but the errors (their own pages) and the modules."""
-    skip = {*ns.errors.__all__, "compat", "errors", "key_maps", "__version__"}
-    return [n for n in ns.__all__ if n not in skip]
+    skip = {*ns.errors.__all__, "compat", "errors", "key_maps", "__version__", *NAMESPACES}
+    top = [n for n in ns.__all__ if n not in skip]
+    return top + [f"{m}.{n}" for m in NAMESPACES for n in getattr(ns, m).__all__ if n not in ns.__all__]
 
 
 def api_page() -> None:

@@ -119,7 +119,7 @@ def main() -> None:
     model = resumed.training_state["model"]
     merged, adapters = Path(workdir) / "merged", Path(workdir) / "peft"
     ns.save_safetensors(model, merged, like=args.folder)
-    ns.save_peft_adapters(model, adapters, like=args.folder)
+    ns.weights.save_peft_adapters(model, adapters, like=args.folder)
     print(f"merged model: {merged} ({', '.join(sorted(p.name for p in merged.iterdir()))})")
     print(f"PEFT adapters: {adapters} ({', '.join(sorted(p.name for p in adapters.iterdir()))})")
     try:

@@ -148,13 +148,13 @@ def run(argv: list[str] | None = None) -> dict:
     trainer = ViTTrainer(cfg)
     print(
         f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
-        f"{jax.device_count()} devices, mesh {ns.describe_mesh(trainer.mesh)}",
+        f"{jax.device_count()} devices, mesh {ns.meshes.describe_mesh(trainer.mesh)}",
         flush=True,
     )
     summary: dict = {
         "devices": jax.device_count(),
         "processes": jax.process_count(),
-        "mesh": ns.describe_mesh(trainer.mesh),
+        "mesh": ns.meshes.describe_mesh(trainer.mesh),
     }
     summary["plan"] = trainer.plan.summary()
     evaluate = lambda: (
@@ -200,7 +200,7 @@ def compile_only(cfg, args: argparse.Namespace) -> dict:
         "images": jax.ShapeDtypeStruct((n, size, size, cfg.data.channels), np.float32),
         "labels": jax.ShapeDtypeStruct((n,), np.int32),
     }
-    report = ViTTrainer(cfg).compile_report(ns.tpu_devices(args.aot, slices=args.slices), batch)
+    report = ViTTrainer(cfg).compile_report(ns.cluster.tpu_devices(args.aot, slices=args.slices), batch)
     print(
         f"{args.config} on {args.aot}{f' x {args.slices} slices' if args.slices > 1 else ''}, "
         f"global batch {n}, mesh {cfg.mesh}"

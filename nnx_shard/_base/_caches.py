@@ -86,7 +86,8 @@ def clear_caches() -> int:
     cached entries were dropped. Compiled programs are rebuilt on next use.
 
     >>> import jax, nnx_shard as ns
-    >>> _ = ns.plan_reshard(jax.numpy.zeros(8), jax.sharding.SingleDeviceSharding(jax.devices()[1]))
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    >>> _ = ns.resharding.plan_reshard(jax.numpy.zeros(8), one)
     >>> ns.clear_caches() >= 0, ns.clear_caches()
     (True, 0)
     """

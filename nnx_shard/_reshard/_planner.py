@@ -74,7 +74,7 @@ class LeafReshard:
         (the common refinement of source and target) that travels.
       stacked: how many leaves share the leaf's program.
 
-    >>> from nnx_shard import plan_reshard
+    >>> from nnx_shard.resharding import plan_reshard
     >>> devs = jax.devices()
     >>> x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(Mesh(np.array(devs), ("f",)), PartitionSpec("f")))
     >>> leaf = plan_reshard(x, NamedSharding(Mesh(np.array(devs[:4]), ("f",)), PartitionSpec("f"))).leaves[0]
@@ -108,7 +108,7 @@ class Job:
 class ReshardPlan:
     """The plan of :func:`reshard`, per leaf and in total; printable as a table.
 
-    >>> from nnx_shard import plan_reshard
+    >>> from nnx_shard.resharding import plan_reshard
     >>> devs = jax.devices()
     >>> x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(Mesh(np.array(devs), ("f",)), PartitionSpec("f")))
     >>> half = NamedSharding(Mesh(np.array(devs[4:]), ("f",)), PartitionSpec(None, "f"))

@@ -86,7 +86,7 @@ def auto_axes(fn: F | None = None, *, out_sharding: Any = None) -> Any:
     >>> model, _ = ns.create_sharded(lambda: nnx.Linear(16, 8, rngs=nnx.Rngs(0)),
     ...                              [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
     >>> @nnx.jit
-    ... @ns.auto_axes
+    ... @ns.sharding.auto_axes
     ... def loss(model, x):
     ...     return jnp.mean(model(x) ** 2)
     >>> with jax.set_mesh(mesh):

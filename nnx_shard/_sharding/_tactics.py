@@ -104,7 +104,8 @@ def _chainable(other: Any) -> Tactic:
     if callable(other) and not isinstance(other, str):
         return FunctionTactic(other)
     raise TacticArgumentError(
-        f"cannot chain {other!r} with |; chain Tactic objects (ns.fsdp('fsdp') | ns.replicate()), "
+        f"cannot chain {other!r} with |; chain Tactic objects (ns.sharding.fsdp('fsdp') | "
+        "ns.sharding.replicate()), "
         f"or write the whole chain as one string for nnx_shard.parse_tactic."
     )
 
@@ -199,7 +200,7 @@ def fsdp(axis: AxisArg, min_size_to_shard_mb: float = 4) -> Tactic:
       min_size_to_shard_mb: leaves this small or smaller are not sharded.
 
     >>> from nnx_shard import create_mesh
-    >>> from nnx_shard import Leaf
+    >>> from nnx_shard.sharding import Leaf
     >>> mesh = create_mesh((8,), ("fsdp",))
     >>> leaf = Leaf("w", (1024, 4096), "float32")
     >>> fsdp("fsdp")((None, None), mesh, "w", leaf)
@@ -265,7 +266,7 @@ def shard_dim(axis: AxisArg, dim: int, ignore_ndim_error: bool = False) -> Tacti
     dimension is left as it is, with a note in the plan.
 
     >>> from nnx_shard import create_mesh
-    >>> from nnx_shard import Leaf
+    >>> from nnx_shard.sharding import Leaf
     >>> mesh = create_mesh((2, 4), ("dp", "tp"))
     >>> shard_dim("tp", -1)((None, None), mesh, "w", Leaf("w", (6, 8), "float32"))
     (None, 'tp')
@@ -303,7 +304,9 @@ def stacked(dim: int = 0) -> Tactic:
     ``transform_metadata={nnx.PARTITION_NAME: 'layers'}`` are kept whole
     without it (see :func:`nnx_shard.infer_sharding`'s ``stacked_axis_names``).
 
-    >>> from nnx_shard import Leaf, create_mesh
+    >>> from nnx_shard import create_mesh
+
+    >>> from nnx_shard.sharding import Leaf
     >>> mesh = create_mesh((8,), ("fsdp",))
     >>> leaf = Leaf("blocks/kernel", (16, 8, 8), "float32")
     >>> (stacked(0) | fsdp("fsdp", 0))((None, None, None), mesh, leaf.path, leaf)
@@ -350,7 +353,7 @@ def spec(*entries: SpecEntry) -> Tactic:
     """Sets an explicit PartitionSpec (missing trailing entries are None).
 
     >>> from nnx_shard import create_mesh
-    >>> from nnx_shard import Leaf
+    >>> from nnx_shard.sharding import Leaf
     >>> mesh = create_mesh((2, 4), ("dp", "tp"))
     >>> spec("tp")((None, None), mesh, "w", Leaf("w", (8, 3), "float32"))
     ('tp', None)

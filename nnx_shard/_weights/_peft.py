@@ -119,7 +119,7 @@ def save_peft_adapters(
     >>> save_file({"fc.weight": np.zeros((3, 4), np.float32)}, f"{src}/model.safetensors")
     >>> model = nnx.LoRALinear(4, 3, lora_rank=2, use_bias=False, rngs=nnx.Rngs(0))
     >>> out = tempfile.mkdtemp()
-    >>> written = ns.save_peft_adapters(model, out, [(r"fc\\.weight", "kernel", "T")], like=src)
+    >>> written = ns.weights.save_peft_adapters(model, out, [(r"fc\\.weight", "kernel", "T")], like=src)
     >>> [f.split("/")[-1] for f in written]
     ['adapter_model.safetensors', 'adapter_config.json']
     """

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import nnx_shard as ns
 
-info = ns.initialize_distributed(heartbeat_timeout=5, shutdown_timeout=5)
+info = ns.cluster.initialize_distributed(heartbeat_timeout=5, shutdown_timeout=5)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -87,7 +87,7 @@ def local_global():
     x = ns.compat.make_fsarray_from_local_slice(local, jax.devices())
     back = ns.compat.get_local_slice_from_fsarray(x)
     mesh = ns.create_mesh((-1, 2), ("dp", "tp"))
-    batch = ns.host_local_to_global({"x": local, "y": np.full((4,), me)}, mesh)
+    batch = ns.cluster.host_local_to_global({"x": local, "y": np.full((4,), me)}, mesh)
     per_process_sum = jax.jit(lambda b: b["y"].reshape(jax.process_count(), -1).sum(axis=1))(batch)
     errors = []
     for bad in (np.ones((3, 3)), np.float32(1)):

@@ -27,7 +27,7 @@ def write(folder: str, domain: str = "") -> dict:
         writer.write(step, states)
     writer.wait()
     digests = {}
-    for path, x in ns.flatten_state(states):
+    for path, x in ns.sharding.flatten_state(states):
         whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         digests[path] = hashlib.sha256(whole.tobytes()).hexdigest()
     return {"dest": writer.dest, "need": need, "bytes": list(writer.last_bytes), "digests": digests}
@@ -49,10 +49,10 @@ def restore_onto_more(folder: str) -> dict:
     mine = Path(folder) / "process-0" if jax.process_index() == 0 else None
     got = restore_from_snapshots(mine, 1, target, after=-1)
     digests = {}
-    for path, x in ns.flatten_state(got.states):
+    for path, x in ns.sharding.flatten_state(got.states):
         whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         digests[path] = hashlib.sha256(whole.tobytes()).hexdigest()
-    devices = {path: len(x.sharding.device_set) for path, x in ns.flatten_state(got.states)}
+    devices = {path: len(x.sharding.device_set) for path, x in ns.sharding.flatten_state(got.states)}
     return {"step": got.step, "digests": digests, "devices": devices}
 
 

@@ -133,11 +133,11 @@ def test_cpu_helpers():
     [((2, 4), 4, 2, (1, 4)), ((8,), 2, 4, (2,)), ((2, 2, 2), 2, 4, (1, 1, 2)), ((4, 2), 8, 1, (4, 2))],
 )
 def test_calculate_host_mesh_shape(shape, devices, procs, expected):
-    out = ns.calculate_host_mesh_shape(shape, total_devices=devices, num_processes=procs)
+    out = ns.meshes.calculate_host_mesh_shape(shape, total_devices=devices, num_processes=procs)
     assert out == expected
     assert np.prod(out) == devices
 
 
 def test_calculate_host_mesh_shape_errors():
     with pytest.raises(MeshError, match="holds 8 devices, but 2 processes x 3 devices = 6"):
-        ns.calculate_host_mesh_shape((2, 4), total_devices=3, num_processes=2)
+        ns.meshes.calculate_host_mesh_shape((2, 4), total_devices=3, num_processes=2)

@@ -28,9 +28,10 @@ def test_a_training_state_is_a_typed_record_that_reads_as_the_old_mapping():
     assert state == {"model": state.model, "optimizer": state.optimizer, "ema": state.ema}
     without = ns.TrainingState(state.model, counter=jnp.zeros(()))
     assert list(without) == ["model", "counter"] and without.optimizer is None and without.ema is None
-    assert [without.kind(k) for k in without] == [ns.Kind.MODEL, ns.Kind.STATE]
+    assert [without.kind(k) for k in without] == [ns.sharding.Kind.MODEL, ns.sharding.Kind.STATE]
     assert (
-        ns.TrainingState.of({"model": state.model, "opt": state.optimizer}).kind("opt") is ns.Kind.OPTIMIZER
+        ns.TrainingState.of({"model": state.model, "opt": state.optimizer}).kind("opt")
+        is ns.sharding.Kind.OPTIMIZER
     )
     assert ns.TrainingState.of(state) is state
     replaced = state.replace(ema=None, step=3)
@@ -57,11 +58,15 @@ def test_the_plan_takes_each_leafs_kind_from_the_training_state():
     )
     plan = ns.plan_sharding(state, STRATEGY, ns.create_mesh((8,), ("fsdp",)))
     kinds = {p.path.split("/")[0]: p.kind for p in plan.leaves}
-    assert kinds == {"model": ns.Kind.MODEL, "moving": ns.Kind.EMA, "opt": ns.Kind.OPTIMIZER}
+    assert kinds == {
+        "model": ns.sharding.Kind.MODEL,
+        "moving": ns.sharding.Kind.EMA,
+        "opt": ns.sharding.Kind.OPTIMIZER,
+    }
     order = [p.path.split("/")[0] for p in plan.leaves]
     assert order.index("opt") < order.index("moving")  # model, optimizer, EMA: the kinds' order
     legacy = ns.plan_sharding({"model": model, "opt_state": nnx.state(state.opt)}, STRATEGY, plan.mesh)
-    assert {p.kind for p in legacy.leaves if p.path.startswith("opt_state/")} == {ns.Kind.OPTIMIZER}
+    assert {p.kind for p in legacy.leaves if p.path.startswith("opt_state/")} == {ns.sharding.Kind.OPTIMIZER}
 
 
 def test_hooks_and_trainer_hand_out_the_training_state_and_the_old_views_warn():

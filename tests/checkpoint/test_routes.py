@@ -91,7 +91,7 @@ def test_sharded_creation_leaves_the_users_settings_as_they_were():
     from flax import nnx
 
     before = jax.config.jax_threefry_gpu_kernel_lowering
-    init, _, _ = ns.sharded_init_fn(
+    init, _, _ = ns.placement.sharded_init_fn(
         lambda: nnx.Linear(8, 64, rngs=nnx.Rngs(0)), [(".*", "replicate")], mesh_of("8")
     )
     states = init()

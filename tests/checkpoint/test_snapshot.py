@@ -113,7 +113,9 @@ def test_a_snapshot_restores_onto_more_processes_than_it_had(tmp_path, multiproc
     writer = SnapshotWriter(tmp_path / "snap", keep=2)
     writer.write(7, states)
     writer.wait()
-    expected = {p: hashlib.sha256(np.asarray(x).tobytes()).hexdigest() for p, x in ns.flatten_state(states)}
+    expected = {
+        p: hashlib.sha256(np.asarray(x).tobytes()).hexdigest() for p, x in ns.sharding.flatten_state(states)
+    }
     results, _ = multiprocess(
         "tests.apps.snapshot_workers:restore_onto_more", 2, devices=2, args={"folder": str(tmp_path / "snap")}
     )

@@ -296,20 +296,22 @@ def test_the_watchdog_says_what_the_coordination_service_knows_of_the_peers(mult
 
 
 def test_launch_info_reads_the_launcher_variables(monkeypatch):
-    assert ns.launch_info() is None
+    assert ns.cluster.launch_info() is None
     monkeypatch.setenv("NNX_SHARD_COORDINATOR", "127.0.0.1:1234")
     monkeypatch.setenv("NNX_SHARD_NUM_PROCESSES", "2")
     monkeypatch.setenv("NNX_SHARD_PROCESS_ID", "1")
     monkeypatch.setenv("NNX_SHARD_RESTART", "2")
     monkeypatch.setenv("NNX_SHARD_PREVIOUS_ID", "2")
     monkeypatch.setenv("NNX_SHARD_LOST", "1")
-    assert ns.launch_info() == ns.LaunchInfo("127.0.0.1:1234", 2, 1, restart=2, previous_id=2, lost=(1,))
+    assert ns.cluster.launch_info() == ns.cluster.LaunchInfo(
+        "127.0.0.1:1234", 2, 1, restart=2, previous_id=2, lost=(1,)
+    )
     monkeypatch.setenv("NNX_SHARD_PROCESS_ID", "two")
     with pytest.raises(ns.ConfigError, match="NNX_SHARD_PROCESS_ID must be an integer; got 'two'"):
-        ns.launch_info()
+        ns.cluster.launch_info()
     monkeypatch.setenv("NNX_SHARD_PROCESS_ID", "5")
     with pytest.raises(ns.ConfigError, match="not a process of NNX_SHARD_NUM_PROCESSES=2"):
-        ns.launch_info()
+        ns.cluster.launch_info()
 
 
 def test_cluster_examples_are_well_formed():

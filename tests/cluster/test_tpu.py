@@ -58,7 +58,7 @@ def test_the_compile_report_of_a_step_on_this_machines_devices():
 
 def test_topologies_and_their_errors(monkeypatch):
     with pytest.raises(ns.TopologyError, match="'v9:2x2' is not one of the forms v4:AxBxC, v5e:AxB"):
-        ns.tpu_devices("v9:2x2")
+        ns.cluster.tpu_devices("v9:2x2")
     real_import = builtins.__import__
 
     def no_libtpu(name, *args, **kwargs):
@@ -70,33 +70,35 @@ def test_topologies_and_their_errors(monkeypatch):
     with pytest.raises(
         ns.TopologyError, match=r"needs libtpu, which is not installed: pip install 'nnx-shard\[tpu\]'"
     ):
-        ns.tpu_devices("v5e:2x4")
+        ns.cluster.tpu_devices("v5e:2x4")
     assert issubclass(ns.TopologyError, ns.NnxShardError)
 
 
 @needs_libtpu
 def test_tpu_topologies_slices_and_a_refused_layout():
-    devices = ns.tpu_devices("v5e:2x4")
+    devices = ns.cluster.tpu_devices("v5e:2x4")
     assert len(devices) == 8 and devices[0].device_kind == "TPU v5 lite"
-    assert len(ns.tpu_devices("v4:2x2x2")) == 8  # one device per chip (megacore)
-    two = ns.tpu_devices("v5e:2x4", slices=2)
+    assert len(ns.cluster.tpu_devices("v4:2x2x2")) == 8  # one device per chip (megacore)
+    two = ns.cluster.tpu_devices("v5e:2x4", slices=2)
     assert len(two) == 16 and {d.slice_index for d in two} == {0, 1}
     mesh = ns.create_mesh((2, 8), ("dp", "fsdp"), devices=two)  # dp over DCN, fsdp within each slice
     assert {d.slice_index for d in mesh.devices[0]} == {0} and {d.slice_index for d in mesh.devices[1]} == {1}
     with pytest.raises(ns.TopologyError, match=r"libtpu does not make TPU topology 'v5e:3x7'.*not divisible"):
-        ns.tpu_devices("v5e:3x7")
+        ns.cluster.tpu_devices("v5e:3x7")
 
 
 @needs_libtpu
 def test_a_step_that_fits_a_pod_and_one_that_does_not():
     trainer = Regression({"mesh": "fsdp:-1", "sharding_strategy": STRATEGY, "progress": "off"})
-    report = trainer.compile_report(ns.tpu_devices("v5e:2x4"), BATCH)
+    report = trainer.compile_report(ns.cluster.tpu_devices("v5e:2x4"), BATCH)
     assert report.fits is True and report.hbm_bytes == 16 * 2**30 and report.device_kind == "TPU v5 lite"
     assert report.argument_bytes >= report.state_bytes + report.batch_bytes  # TPU tiles pad small arrays
     table = report.table()
     assert "8 x TPU v5 lite, HBM 16.00 GiB per chip" in table and "fits: yes" in table and "headroom" in table
     huge = Regression({"mesh": "fsdp:-1", "sharding_strategy": [(".*", "replicate")], "width": 1 << 20})
-    refused = huge.compile_report(ns.tpu_devices("v5e:2x4"), BATCH)  # 8 GiB of MLP x 4 copies, replicated
+    refused = huge.compile_report(
+        ns.cluster.tpu_devices("v5e:2x4"), BATCH
+    )  # 8 GiB of MLP x 4 copies, replicated
     assert refused.fits is False and refused.peak_bytes > refused.hbm_bytes
     assert "RESOURCE_EXHAUSTED" in refused.error and "fits: no" in refused.table()
     assert "largest arrays per chip" in refused.table() and "rule 0 ('.*', 'replicate')" in refused.table()
@@ -104,12 +106,14 @@ def test_a_step_that_fits_a_pod_and_one_that_does_not():
 
 @needs_libtpu
 def test_reshard_programs_compile_for_a_pod_and_say_what_each_chip_sends():
-    devices = ns.tpu_devices("v5e:4x4")
+    devices = ns.cluster.tpu_devices("v5e:4x4")
     big = jax.sharding.NamedSharding(ns.create_mesh((16,), ("fsdp",), devices=devices), jax.P("fsdp", None))
     half = jax.sharding.NamedSharding(
         ns.create_mesh((8,), ("fsdp",), devices=devices[:8]), jax.P("fsdp", None)
     )
-    plan = ns.plan_reshard({"w": jax.ShapeDtypeStruct((4096, 1024), np.float32, sharding=big)}, {"w": half})
+    plan = ns.resharding.plan_reshard(
+        {"w": jax.ShapeDtypeStruct((4096, 1024), np.float32, sharding=big)}, {"w": half}
+    )
     assert str(plan.leaves[0].route) == "collective" and not plan.through_host
     assert plan.bytes_moved == plan.ideal_bytes == 14 * 2**20
     assert plan.most_sent_per_device == 2**20 and plan.most_received_per_device == 2 * 2**20

@@ -287,7 +287,7 @@ def test_the_rope_model_holds_tunixs_parameters_and_paths():
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(llama.ModelConfig)}
     ours = nnx.state(plain(cls, config))
     theirs = nnx.state(plain(llama.Llama3, llama.ModelConfig(**fields)))
-    a, b = ns.flatten_state(ours), ns.flatten_state(theirs)
+    a, b = ns.sharding.flatten_state(ours), ns.sharding.flatten_state(theirs)
     assert [p for p, _ in a] == [p for p, _ in b]
     for (_, x), (_, y) in zip(a, b, strict=True):
         np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()))

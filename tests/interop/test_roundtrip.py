@@ -55,7 +55,7 @@ def test_hf_folder_to_tunix_qwix_finetune_resume_and_back_to_transformers_and_pe
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
     adapters = tmp_path / "peft"
-    ns.save_peft_adapters(model, adapters, like=folder)
+    ns.weights.save_peft_adapters(model, adapters, like=folder)
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     with_adapters = peft.PeftModel.from_pretrained(base, adapters).eval()
     with torch.no_grad():

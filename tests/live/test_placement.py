@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_shard as ns
-from nnx_shard import PlacementError, create_sharded, place_like_target, sharded_init_fn
+from nnx_shard import PlacementError, create_sharded, place_like_target
+from nnx_shard.placement import sharded_init_fn
 from tests.helpers import MLP, mesh_of
 
 F = "fsdp(axis='fsdp', min_size_to_shard_mb=0)"

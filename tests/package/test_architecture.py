@@ -34,7 +34,13 @@ LAYERS = {
     "_trainer": 6,
     "cli": 7,
     "__main__": 7,
-    "sources": 6,  # the public face of the restore's sources (nnx_shard.sources)
+    "sources": 6,  # the public namespaces: the restore's sources, and the names the top level does not keep
+    "sharding": 6,
+    "meshes": 6,
+    "placement": 6,
+    "resharding": 6,
+    "cluster": 6,
+    "weights": 6,
     "compat": 8,  # the seeds' API, on top of the core and never imported by it
     "__init__": 9,  # the root re-exports everything, the seeds' API included
 }

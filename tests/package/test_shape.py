@@ -47,7 +47,7 @@ def test_registering_a_tactic_in_a_doctest_does_not_leak():
     with pytest.raises(
         ns.UnknownTacticError, match="cannot unregister tactic 'fsdp': it is a built-in tactic"
     ):
-        ns.unregister_tactic("fsdp")
+        ns.sharding.unregister_tactic("fsdp")
 
 
 def test_the_plan_lists_the_model_first_and_max_rows_0_is_all(tmp_path):

@@ -154,9 +154,28 @@ def test_every_name_of_the_2026_11_25_surface_still_imports(name, monkeypatch):
     moved = [w for w in caught if issubclass(w.category, DeprecationWarning)]
     if name in ns.__all__:
         assert not moved, name
+    elif name in ns.MOVED:  # into a namespace (ns.sharding, ns.meshes, ...): the warning says which
+        home = ns.MOVED[name]
+        assert getattr(home, name) is value and name in home.__all__
+        assert moved and f"from {home.__name__} import {name}" in str(moved[0].message)
     else:  # a compatibility name, from nnx_shard.compat now: the warning says where
         assert name in ns.compat.__all__ and getattr(ns.compat, name) is value
         assert moved and f"from nnx_shard.compat import {name}" in str(moved[0].message)
+
+
+def test_the_top_level_keeps_the_everyday_names_and_the_rest_is_in_namespaces():
+    """As optax and equinox: a short top level (beside the exceptions), every other name in one namespace."""
+    everyday = [n for n in ns.__all__ if n not in ns.errors.__all__]
+    assert len(everyday) <= 40, everyday
+    namespaces = [ns.sharding, ns.meshes, ns.placement, ns.resharding, ns.cluster, ns.weights, ns.sources]
+    homes: dict[str, list[str]] = {}
+    for module in namespaces:
+        for name in module.__all__:
+            homes.setdefault(name, []).append(module.__name__)
+            assert getattr(module, name) is not None
+    for name in TOP:
+        assert name in ns.__all__ or name in homes or name in ns.compat.__all__, name
+    assert ns.sharding.fsdp is ns.MOVED["fsdp"].fsdp and ns.meshes.describe_mesh is not None
 
 
 def test_pathwaysutils_name_lives_in_compat():

@@ -74,7 +74,7 @@ def test_table(case, dtype):
     src, dst = (f() for f in CASES[case])
     host = (np.arange(64 * 32) % 251).astype(jnp.dtype(dtype)).reshape(64, 32)
     x = jax.device_put(host, src)
-    plan = ns.plan_reshard({"w": x}, {"w": dst})
+    plan = ns.resharding.plan_reshard({"w": x}, {"w": dst})
     leaf = plan.leaves[0]
     before = per_device_bytes()
     with no_host_transfers():
@@ -94,13 +94,13 @@ def test_table(case, dtype):
 def test_fsdp8_to_tp4_moves_the_ideal_and_never_gathers():
     src, dst = (f() for f in CASES["fsdp8->tp4 on devices[:4]"])
     x = jax.device_put(jnp.zeros((4096, 4096), jnp.float32), src)
-    plan = ns.plan_reshard(x, dst)
+    plan = ns.resharding.plan_reshard(x, dst)
     assert plan.ideal_bytes == 56 * 2**20  # as measured in ANCHORS
     assert plan.bytes_moved == plan.ideal_bytes
     # Source shard + 2 target shards (the result and XLA's in-flight pieces) and XLA's scalars,
     # never the 64 MiB of the whole array.
     assert plan.peak_bytes_per_device <= 8 * 2**20 + 2 * 16 * 2**20 + 64
-    mid, replicated = ns.find_intermediate_sharding(src, dst, x.shape)
+    mid, replicated = ns.resharding.find_intermediate_sharding(src, dst, x.shape)
     # The seed's planner returns a fully replicated intermediate here; this one keeps 4-way sharding,
     # arranged so the 4 target devices already hold their own block.
     assert mid.spec == P(None, "split1") and replicated == ["replica"]
@@ -117,8 +117,8 @@ def test_fsdp8_to_tp4_moves_the_ideal_and_never_gathers():
 def test_collective_route_moves_pieces_inside_one_program():
     src, dst = (f() for f in CASES["same devices, dim swap"])
     x = jax.device_put(jnp.arange(256.0 * 256).reshape(256, 256), src)
-    leaf = ns.plan_reshard(x, dst).leaves[0]
-    assert leaf.route == ns.Route.COLLECTIVE and leaf.piece == (32, 32)
+    leaf = ns.resharding.plan_reshard(x, dst).leaves[0]
+    assert leaf.route == ns.resharding.Route.COLLECTIVE and leaf.piece == (32, 32)
     assert leaf.bytes_moved == leaf.ideal_bytes == 256 * 256 * 4 * 7 // 8
     y = ns.reshard(x, dst)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
@@ -141,7 +141,7 @@ def test_collective_route_moves_pieces_inside_one_program():
 )
 def test_find_intermediate_errors(src, dst, error):
     with pytest.raises(error):
-        ns.find_intermediate_sharding(src(), dst(), (16,))
+        ns.resharding.find_intermediate_sharding(src(), dst(), (16,))
 
 
 def test_state_prefix_keys_and_donation():
@@ -174,7 +174,7 @@ def test_scalars_and_keys_count_no_phantom_bytes():
     src = named(D(), (8,), ("f",))
     dst = named(D()[:4], (4,), ("f",))
     tree = {"step": jax.device_put(jnp.int32(3), src), "key": jax.device_put(jax.random.key(0), src)}
-    plan = ns.plan_reshard(tree, dst)
+    plan = ns.resharding.plan_reshard(tree, dst)
     assert plan.ideal_bytes == plan.bytes_moved == 0  # every target device already holds them
     out = ns.reshard(tree, dst)
     assert int(out["step"]) == 3 and out["key"].sharding == dst
@@ -230,7 +230,7 @@ def test_random_reshard_is_bitwise_and_minimal(pair, dtype):
     src, dst = pair
     host = (np.arange(16 * 24) % 127).astype(jnp.dtype(dtype)).reshape(16, 24)
     x = jax.device_put(host, src)
-    plan = ns.plan_reshard(x, dst)
+    plan = ns.resharding.plan_reshard(x, dst)
     with no_host_transfers():
         y = ns.reshard(x, dst)
     assert y.sharding == dst
@@ -244,7 +244,7 @@ def test_many_small_leaves_share_steps_and_stay_bitwise():
     src = named(D(), (8,), ("f",), "f", None)
     dst = named(D()[4:], (4,), ("f",), None, "f")
     tree = {f"w{i}": jax.device_put(jnp.full((16, 8), i, jnp.float32), src) for i in range(100)}
-    plan = ns.plan_reshard(tree, dst)
+    plan = ns.resharding.plan_reshard(tree, dst)
     assert len(plan.jobs) == 3 and sorted(p.stacked for p in plan.leaves) == [4] * 4 + [32] * 32 + [64] * 64
     assert plan.bytes_moved == plan.ideal_bytes
     with no_host_transfers():
@@ -272,7 +272,7 @@ def test_on_a_cpu_pieces_nobody_holds_change_device_without_a_copy(monkeypatch):
     tp, fsdp = named(D()[:4], (4,), ("tp",), None, "tp"), named(D(), (8,), ("fsdp",), None, "fsdp")
     host = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
     x = jax.device_put(host, tp)
-    plan = ns.plan_reshard(x, fsdp)
+    plan = ns.resharding.plan_reshard(x, fsdp)
     with no_host_transfers():  # the caller's guard stays in force: nothing goes through the host
         y = ns.reshard(x, fsdp, donate=True)  # cut on the 4 tp devices, nothing to assemble
     assert x.is_deleted() and sum(aliased) == plan.bytes_moved == 7 * 512 * 32 * 4

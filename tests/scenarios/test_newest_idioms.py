@@ -94,7 +94,7 @@ def test_trainer_on_an_explicit_mesh_trains_as_on_an_auto_one(tmp_path, inside):
     model = trainer.hooks.training_state["model"]
 
     @nnx.jit
-    @ns.auto_axes
+    @ns.sharding.auto_axes
     def predict(model, x):
         return model(x)
 
@@ -147,7 +147,7 @@ def test_own_step_fails_raw_and_runs_under_auto_axes_with_the_state_kept_in_plac
     assert any("nnx_shard.auto_axes" in n for n in plan.notes) and "auto_axes" in plan.summary()
     before = np.asarray(model.l2.kernel.get_value())
     with jax.set_mesh(mesh):
-        losses = [float(nnx.jit(ns.auto_axes(step))(model, optimizer, batch)) for _ in range(3)]
+        losses = [float(nnx.jit(ns.sharding.auto_axes(step))(model, optimizer, batch)) for _ in range(3)]
     assert losses[2] < losses[0]
     assert not np.array_equal(np.asarray(model.l2.kernel.get_value()), before)  # updated in place
     assert model.l2.kernel.get_value().sharding.spec == P(None, "fsdp")
@@ -178,7 +178,7 @@ def test_own_step_with_jax_auto_axes_and_the_inferred_shardings():
 
 def test_auto_axes_is_a_no_op_without_explicit_axes():
     model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
-    f = nnx.jit(ns.auto_axes(lambda m, x: m(x).sum()))
+    f = nnx.jit(ns.sharding.auto_axes(lambda m, x: m(x).sum()))
     np.testing.assert_allclose(
         float(f(model, jnp.ones((2, 4)))), float(model(jnp.ones((2, 4))).sum()), rtol=1e-6
     )
@@ -205,7 +205,7 @@ def logical(rngs):
 
 def unsharded(factory):
     with nnx.use_eager_sharding(False):
-        return {p: np.asarray(v) for p, v in ns.flatten_state(nnx.state(factory(nnx.Rngs(0))))}
+        return {p: np.asarray(v) for p, v in ns.sharding.flatten_state(nnx.state(factory(nnx.Rngs(0))))}
 
 
 @pytest.mark.parametrize("axis_types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
@@ -223,7 +223,7 @@ def test_eager_sharding_creates_annotated_models_bitwise(axis_types, inside):
     assert meshes_of(nnx.state(logic)) == {mesh} and nnx.using_eager_sharding()
     for made, factory in ((named, Annotated), (logic, logical)):
         want = unsharded(factory)
-        for p, v in ns.flatten_state(nnx.state(made)):
+        for p, v in ns.sharding.flatten_state(nnx.state(made)):
             np.testing.assert_array_equal(np.asarray(v), want[p])
 
 
@@ -233,7 +233,7 @@ def test_eager_sharding_with_a_strategy_that_ignores_the_annotation():
     model, _ = ns.create_sharded(lambda: logical(nnx.Rngs(0)), FSDP, mesh)
     assert model.up.kernel.get_value().sharding.spec == P(None, "fsdp")
     want = unsharded(logical)
-    for p, v in ns.flatten_state(nnx.state(model)):
+    for p, v in ns.sharding.flatten_state(nnx.state(model)):
         np.testing.assert_array_equal(np.asarray(v), want[p])
 
 
@@ -254,6 +254,6 @@ def test_trainer_and_hooks_create_annotated_models_with_eager_sharding(tmp_path,
     history = trainer.train(batch_for)
     assert len(history) == 2 and np.isfinite(history[-1]["loss"])
     assert trainer.states["model"]["up"]["kernel"].get_value().sharding.spec == P(None, "fsdp")
-    hooks = ns.ShardingHooks([(".*", "annotated()")], ns.mesh_from_string("dp:2,fsdp:4"))
+    hooks = ns.ShardingHooks([(".*", "annotated()")], ns.meshes.mesh_from_string("dp:2,fsdp:4"))
     made = hooks.on_init(lambda: {"model": Annotated(nnx.Rngs(0), features=8)})
     assert made["model"].down.kernel.get_value().sharding.spec == P("fsdp", None)

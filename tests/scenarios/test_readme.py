@@ -55,7 +55,7 @@ def test_newest_idioms_section_runs_as_written(capsys):
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)  # our own README, not user input
     out = capsys.readouterr().out
-    assert "ns.auto_axes" in out.replace("nnx_shard.auto_axes", "ns.auto_axes")
+    assert "ns.sharding.auto_axes" in out.replace("nnx_shard.auto_axes", "ns.sharding.auto_axes")
     assert "item 'default' of a plain Orbax checkpoint onto 4 devices (fsdp=4)" in out
     p = jax.sharding.PartitionSpec
     model, fresh = namespace["model"], namespace["fresh"]

@@ -69,7 +69,7 @@ def test_a_batch_of_typed_keys_reshards_from_8_to_4_devices():
     devs = jax.devices()
     src = jax.device_put(keys, NamedSharding(Mesh(np.array(devs), ("x",)), P("x")))
     dst = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
-    plan = ns.plan_reshard(src, dst)
+    plan = ns.resharding.plan_reshard(src, dst)
     # Device j needs keys [16j, 16j+16) and holds [8j, 8j+8): 8 + 16 + 16 + 16 keys of 8 bytes lack.
     assert plan.bytes_moved == plan.ideal_bytes == 56 * 8
     with no_host_transfers():

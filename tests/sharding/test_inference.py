@@ -317,7 +317,7 @@ def test_callable_and_registered_tactics():
     state = {"w": jax.ShapeDtypeStruct((16, 3), jnp.float32)}
     assert ns.infer_sharding(state, [(".*", first_dim)], mesh)["w"].spec == P("fsdp", None)
 
-    @ns.register_tactic("last_dim_on")
+    @ns.sharding.register_tactic("last_dim_on")
     def last_dim_on(axis):
         return lambda cur, mesh, name, leaf: (*cur[:-1], axis)
 
@@ -395,7 +395,7 @@ def test_logical_rules_with_fallbacks_skip_used_mesh_axes_like_flax():
         s = ns.infer_sharding(model, [(".*kernel", "annotated()"), (".*", "replicate")], mesh)
     assert s["kernel"].spec == P("data", "model")
     # the rules are priorities, as in flax: embed takes data first, so mlp falls back to model
-    assert ns.logical_to_mesh(("mlp", "embed"), tuple(rules)) == ("model", "data")
+    assert ns.sharding.logical_to_mesh(("mlp", "embed"), tuple(rules)) == ("model", "data")
 
 
 def test_ported_configs_shard_dim_ignore_ndim_error_and_trimmed_specs():
@@ -506,7 +506,10 @@ def test_notes_carry_their_kind_from_the_tactic_to_the_log(caplog):
         "mine": jax.ShapeDtypeStruct((8, 8), jnp.float32),
         "step": jax.ShapeDtypeStruct((), jnp.int32),
     }
-    strategy = [("mine", ns.replicate() | halve), ("tiny", "fsdp(axis='fsdp', min_size_to_shard_mb=1)")]
+    strategy = [
+        ("mine", ns.sharding.replicate() | halve),
+        ("tiny", "fsdp(axis='fsdp', min_size_to_shard_mb=1)"),
+    ]
     strategy += [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
     with caplog.at_level(logging.INFO, logger="nnx_shard"):
         plan = ns.plan_sharding(state, strategy, mesh)

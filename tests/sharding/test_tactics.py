@@ -131,13 +131,15 @@ def test_tactic_strings_never_run_code(tmp_path, text):
 
 
 def test_parser_accepts_bare_names_tuples_and_whitespace():
-    t = ns.parse_tactic("  replicate  ")
+    t = ns.sharding.parse_tactic("  replicate  ")
     assert str(t) == "replicate()"
-    chain = ns.parse_tactic("fsdp(axis=('dp','fsdp'), min_size_to_shard_mb=0) | shard_dim(axis='tp', dim=-1)")
+    chain = ns.sharding.parse_tactic(
+        "fsdp(axis=('dp','fsdp'), min_size_to_shard_mb=0) | shard_dim(axis='tp', dim=-1)"
+    )
     assert str(chain) == "fsdp(axis=('dp', 'fsdp'), min_size_to_shard_mb=0)|shard_dim(axis='tp', dim=-1)"
     # A tactic object and its text place leaves the same way.
-    a = run(ns.fsdp("fsdp", 0) | ns.shard_dim("dp", 0))
-    b = run(str(ns.fsdp("fsdp", 0) | ns.shard_dim("dp", 0)))
+    a = run(ns.sharding.fsdp("fsdp", 0) | ns.sharding.shard_dim("dp", 0))
+    b = run(str(ns.sharding.fsdp("fsdp", 0) | ns.sharding.shard_dim("dp", 0)))
     assert a["encoder"]["mlp"]["kernel"] == b["encoder"]["mlp"]["kernel"]
 
 

@@ -123,7 +123,7 @@ def test_tensor_axes_are_considered_given_the_tokens_per_step():
 def test_without_a_budget_a_tpu_mesh_takes_the_chips_memory_less_the_activation_reserve():
     from nnx_shard._suggest import ACTIVATION_RESERVE
 
-    mesh = ns.create_mesh((4,), ("fsdp",), devices=ns.tpu_devices("v5e:2x2"))
+    mesh = ns.create_mesh((4,), ("fsdp",), devices=ns.cluster.tpu_devices("v5e:2x2"))
     s = ns.suggest(linear_state(), mesh)
     assert s.budget == int(16 * 2**30 * (1 - ACTIVATION_RESERVE)) and s.layout == "everything replicated"
     assert ns.suggest(linear_state(), mesh8()).budget is None  # a CPU says nothing of its memory: no limit

@@ -59,11 +59,11 @@ def test_the_same_process_count_takes_its_own_state_and_a_callable_needs_none():
 def test_an_elastic_iterator_moves_onto_a_new_data_shard_at_its_global_position():
     # a Trainer resized off a process: the reader of shard 0 of 2 reads the whole global batch, and back
     data = numbered(0, 2)
-    first = Batches(data, None, shard=ns.DataShard(0, 2))
+    first = Batches(data, None, shard=ns.cluster.DataShard(0, 2))
     assert list(first.next(0)["id"]) == [0, 2, 4]  # 3 of the 6 rows of step 1
-    alone = Batches(data, None, shard=ns.DataShard(0, 1))
+    alone = Batches(data, None, shard=ns.cluster.DataShard(0, 1))
     assert list(alone.next(1)["id"]) == list(range(6, 12))  # the whole of step 2, none skipped
-    again = Batches(data, None, shard=ns.DataShard(1, 2))
+    again = Batches(data, None, shard=ns.cluster.DataShard(1, 2))
     assert list(again.next(2)["id"]) == [13, 15, 17]
     assert data.get_state() == {"global_next_index": 18}
 
@@ -79,18 +79,18 @@ def test_an_elastic_iterator_that_cannot_move_says_so_and_reshard_is_asked_other
             return {"id": np.zeros(3)}
 
     with pytest.warns(ns.DataPositionWarning, match=r"cannot be moved onto data shard 1 of 2.*reshard"):
-        Batches(Steps(), None, shard=ns.DataShard(1, 2))
+        Batches(Steps(), None, shard=ns.cluster.DataShard(1, 2))
 
     class Movable(Steps):
         def reshard(self, shard_index, shard_count):
             self.shard = (shard_index, shard_count)
 
     movable = Movable()
-    Batches(movable, None, shard=ns.DataShard(1, 3))
+    Batches(movable, None, shard=ns.cluster.DataShard(1, 3))
     assert movable.shard == (1, 3)
 
 
 def test_data_shard_names_the_rows_a_process_reads(any_mesh):
     # one process holds every row; the two-process cases are in tests/live/test_resize.py
-    assert ns.data_shard(any_mesh) == ns.DataShard(0, 1)
-    assert ns.data_shard(any_mesh, process=3) is None  # no device of the mesh: it reads nothing
+    assert ns.cluster.data_shard(any_mesh) == ns.cluster.DataShard(0, 1)
+    assert ns.cluster.data_shard(any_mesh, process=3) is None  # no device of the mesh: it reads nothing

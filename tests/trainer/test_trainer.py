@@ -139,7 +139,7 @@ def test_on_restore_from_numpy_and_from_another_mesh(reference):
     hooks = trainer.hooks
     host = {k: jax.tree.map(np.asarray, nnx_pure(v)) for k, v in source.training_state.items()}
     hooks.on_restore(host)
-    leaves = dict(ns.flatten_state(hooks.training_state["model"]))
+    leaves = dict(ns.sharding.flatten_state(hooks.training_state["model"]))
     assert dict(leaves["l1/kernel"].get_value().sharding.mesh.shape) == {"fsdp": 8}
     np.testing.assert_array_equal(np.asarray(leaves["l1/kernel"].get_value()), host["model"]["l1"]["kernel"])
     mesh4 = ns.create_mesh((4,), ("fsdp",), devices=jax.devices()[:4])

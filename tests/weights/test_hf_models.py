@@ -71,7 +71,9 @@ def test_tunix_creation_with_eager_sharding_off_is_bitwise_an_unsharded_compiled
     model, plan = ns.create_sharded(lambda: cls(config, rngs=nnx.Rngs(0)), STRATEGY, mesh8)
     # the same init compiled unsharded: bitwise equal (eager, op by op, normal() rounds differently by 1e-9)
     plain = jax.jit(lambda: nnx.state(cls(config, rngs=nnx.Rngs(0))))()
-    for (p, a), (_, b) in zip(ns.flatten_state(nnx.state(model)), ns.flatten_state(plain), strict=True):
+    for (p, a), (_, b) in zip(
+        ns.sharding.flatten_state(nnx.state(model)), ns.sharding.flatten_state(plain), strict=True
+    ):
         assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), p
     assert plan.leaf("embedder/input_embedding").spec == jax.sharding.PartitionSpec("fsdp", None)
 
@@ -127,7 +129,7 @@ def test_qwix_lora_on_tunix_is_visible_trained_and_merged_as_qwix_computes_it(me
     ns.load_safetensors(merged, out)
     np.testing.assert_allclose(np.asarray(forward(merged, ref["tokens"])), lora_logits, atol=1e-4, rtol=0)
     # the PEFT folder reloads into a fresh LoRA model's adapters: the same logits
-    written = ns.save_peft_adapters(model, tmp_path / "peft", like=folder)
+    written = ns.weights.save_peft_adapters(model, tmp_path / "peft", like=folder)
     assert [Path(f).name for f in written] == ["adapter_model.safetensors", "adapter_config.json"]
     config_json = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config_json["r"] == 4 and config_json["lora_alpha"] == 8.0
@@ -217,7 +219,7 @@ def test_flax_lora_merges_and_round_trips_through_peft_files(tmp_path):
     model = nnx.LoRALinear(4, 3, lora_rank=2, rngs=nnx.Rngs(0))
     model.lora.lora_b.set_value(np.arange(6, dtype=np.float32).reshape(2, 3) / 10)
     x = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
-    ns.save_peft_adapters(model, tmp_path / "peft", rules, like=src)
+    ns.weights.save_peft_adapters(model, tmp_path / "peft", rules, like=src)
     saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     A, B = saved["base_model.model.fc.lora_A.weight"], saved["base_model.model.fc.lora_B.weight"]
     np.testing.assert_allclose(A, np.asarray(model.lora.lora_a.get_value()).T)
@@ -226,7 +228,7 @@ def test_flax_lora_merges_and_round_trips_through_peft_files(tmp_path):
     ns.load_safetensors(fresh, tmp_path / "peft", rules)
     np.testing.assert_allclose(np.asarray(fresh(x)), np.asarray(model(x)), rtol=1e-6)
     with pytest.raises(ns.WeightsMismatchError, match="pass like="):
-        ns.save_peft_adapters(model, tmp_path / "nowhere", rules)
+        ns.weights.save_peft_adapters(model, tmp_path / "nowhere", rules)
 
 
 def test_export_inverts_stacked_rules_and_never_drops_a_leaf(tmp_path):

@@ -36,7 +36,7 @@ def adapters(model):
 
 def peft_folder(tmp_path, model, **config):
     out = tmp_path / "peft"
-    ns.save_peft_adapters(model, out, like=FOLDER)
+    ns.weights.save_peft_adapters(model, out, like=FOLDER)
     path = out / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     return out

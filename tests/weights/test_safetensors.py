@@ -75,7 +75,7 @@ def sharded_model(n=8):
 def test_a_hugging_face_folder_loads_into_shards_reading_each_byte_once(tmp_path):
     tensors = hf_files(tmp_path)
     model = sharded_model()
-    shardings = {p: v.get_value().sharding for p, v in ns.flatten_state(nnx.state(model))}
+    shardings = {p: v.get_value().sharding for p, v in ns.sharding.flatten_state(nnx.state(model))}
     report = ns.load_safetensors(model, tmp_path, RULES)
     assert report.tensors == len(tensors) and report.bytes_read == report.bytes_needed
     assert report.bytes_needed == sum(t.nbytes for t in tensors.values())  # every byte once, none twice
@@ -86,7 +86,7 @@ def test_a_hugging_face_folder_loads_into_shards_reading_each_byte_once(tmp_path
     np.testing.assert_array_equal(
         np.asarray(model.stacked.get_value())[1], tensors["model.layers.1.down_proj.weight"]
     )
-    assert {p: v.get_value().sharding for p, v in ns.flatten_state(nnx.state(model))} == shardings
+    assert {p: v.get_value().sharding for p, v in ns.sharding.flatten_state(nnx.state(model))} == shardings
     assert "loaded 11 tensors" in str(report) and report.gb_per_s > 0
 
 
@@ -111,7 +111,7 @@ def test_the_loaded_model_owns_its_bytes_when_the_files_change_or_go(tmp_path, d
     aligned_data(tmp_path)
     model = sharded_model(devices)
     ns.load_safetensors(model, tmp_path, RULES)
-    before = {p: np.asarray(v.get_value()).copy() for p, v in ns.flatten_state(nnx.state(model))}
+    before = {p: np.asarray(v.get_value()).copy() for p, v in ns.sharding.flatten_state(nnx.state(model))}
     for f in tmp_path.glob("*.safetensors"):  # the same names and sizes, other values, in place
         data = bytearray(f.read_bytes())
         length = int.from_bytes(data[:8], "little")
@@ -123,7 +123,7 @@ def test_the_loaded_model_owns_its_bytes_when_the_files_change_or_go(tmp_path, d
     assert not np.asarray(reloaded.embed.embedding.get_value()).any()  # the files did change
     for f in tmp_path.glob("*.safetensors"):
         f.unlink()
-    after = {p: np.asarray(v.get_value()) for p, v in ns.flatten_state(nnx.state(model))}
+    after = {p: np.asarray(v.get_value()) for p, v in ns.sharding.flatten_state(nnx.state(model))}
     for p in before:
         np.testing.assert_array_equal(after[p], before[p], err_msg=p)
     np.testing.assert_array_equal(before["embed/embedding"], tensors["model.embed_tokens.weight"])
@@ -293,7 +293,7 @@ def test_an_export_loads_back_bitwise_and_merges_lora(tmp_path):
     again = sharded_model(4)
     ns.load_safetensors(again, tmp_path / "out", RULES)
     for (p, a), (_, b) in zip(
-        ns.flatten_state(nnx.state(again)), ns.flatten_state(nnx.state(model)), strict=True
+        ns.sharding.flatten_state(nnx.state(again)), ns.sharding.flatten_state(nnx.state(model)), strict=True
     ):
         assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), p
     lora = nnx.LoRALinear(4, 3, lora_rank=2, rngs=nnx.Rngs(0))
@@ -335,9 +335,9 @@ def test_the_trainer_trains_only_the_lora_adapters_by_default():
     trainer.init()
     assert trainer.loaded
     base = np.asarray(trainer.training_state["model"].layers[0].kernel.get_value()).copy()
-    opt_paths = [p for p, _ in ns.flatten_state(trainer.states["optimizer"])]
+    opt_paths = [p for p, _ in ns.sharding.flatten_state(trainer.states["optimizer"])]
     assert opt_paths and all("lora" in p for p in opt_paths if "mu" in p or "nu" in p)
-    assert all("lora" in p for p, _ in ns.flatten_state(trainer.states["ema"]))
+    assert all("lora" in p for p, _ in ns.sharding.flatten_state(trainer.states["ema"]))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 8)).astype(np.float32)
     history = trainer.train(lambda s: {"x": x, "y": x[:, :1]})
@@ -392,7 +392,9 @@ def test_checkpoints_without_the_frozen_base_restore_on_top_of_the_same_base_onl
     again = Pretrained({**cfg, "mesh": mesh4})
     again.restore_and_reshard()
     for (p, a), (_, b) in zip(
-        ns.flatten_state(again.states["model"]), ns.flatten_state(trainer.states["model"]), strict=True
+        ns.sharding.flatten_state(again.states["model"]),
+        ns.sharding.flatten_state(trainer.states["model"]),
+        strict=True,
     ):
         assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), p
     assert len(again.states["model"]["layers"][0]["kernel"].get_value().sharding.device_set) == 4
