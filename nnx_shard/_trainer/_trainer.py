@@ -41,17 +41,13 @@ class Trainer:
     """Subclass and give the model, the optax transform and the loss; the rest happens by itself.
 
     A subclass implements ``create_model(rngs)``, ``create_optimizer()`` and ``loss_fn(model, batch)`` (a
-    scalar loss, or ``(loss, metrics)``), and may override ``train_step``, ``eval_metrics``, ``on_log`` and
-    ``learning_rate_schedule``, declare its own settings in ``default_config()``, and register callbacks with
-    :meth:`add_callback`. The Trainer builds the mesh from ``config.mesh``, creates the model,
-    ``nnx.Optimizer`` and ``nnx.EMA`` (of the parameters in :attr:`wrt`; ``ema_decay=None`` for none) already
-    sharded by ``config.sharding_strategy``, calls :meth:`load_pretrained`, compiles one step per batch
-    signature with the state donated, turns host-local batches into global ones, saves every
-    ``config.save_every`` steps, at the end and on preemption, resumes with :meth:`restore_and_reshard` onto
-    whatever devices it has, and reports: a progress bar on a terminal, plain lines on stdout otherwise,
-    ``workdir/metrics.jsonl`` and TensorBoard, with compile, save, restore and eval times as events.
-    Accumulate gradients with ``optax.MultiSteps`` in ``create_optimizer`` (its accumulators are sharded like
-    their parameters).
+    scalar loss, or ``(loss, metrics)``); it may override ``train_step``, ``eval_metrics``, ``on_log`` and
+    ``learning_rate_schedule``, extend ``default_config()`` and add callbacks. The Trainer creates the
+    :class:`TrainingState` (model, ``nnx.Optimizer``, ``nnx.EMA`` of :attr:`wrt`) already sharded by
+    ``config.sharding_strategy`` on ``config.mesh``, compiles one donated step per batch signature, saves on
+    schedule, at the end and on preemption, resumes onto whatever devices it has, and reports to the
+    terminal, ``workdir/metrics.jsonl`` and TensorBoard. Its parts: :attr:`hooks` (the state's owner),
+    ``loop``, ``checkpoints``, ``recovery`` and ``running`` (the compiled steps).
 
     >>> import jax.numpy as jnp, numpy as np
     >>> class Regression(Trainer):
@@ -113,9 +109,8 @@ class Trainer:
 
     @property
     def data_shard(self) -> DataShard | None:
-        """This process's rows of every global batch (:func:`nnx_shard.data_shard`), None on a process the
-        mesh leaves out. A ``step -> batch`` callable that slices by it (not by ``jax.process_index()``) feeds
-        the same global batch after a :meth:`resize` that changes the processes."""
+        """This process's rows of every global batch (None on a process the mesh leaves out): a ``step ->
+        batch`` callable that slices by it feeds the same global batch after a :meth:`resize`."""
         return data_shard(self.hooks.mesh)
 
     # -- what a subclass gives ------------------------------------------------
@@ -267,9 +262,8 @@ class Trainer:
         return self.hooks.training_state
 
     def compiled_step(self, batch: Any) -> Any:
-        """The jitted step for this batch's signature: ``(states, counters, batch) -> (states, counters,
-        metrics)``; the state is donated, ``counters`` are the non-finite step counters
-        (``config.on_nonfinite``, :attr:`guard`)."""
+        """The jitted step of this batch's signature, ``(states, counters, batch) -> (states, counters,
+        metrics)``: the state donated, ``counters`` the non-finite step counters (:attr:`guard`)."""
         self.init()
         return self.running.steps.get(batch)
 
