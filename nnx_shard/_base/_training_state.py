@@ -47,8 +47,8 @@ class Kind(enum.StrEnum):
 
 
 MODEL, OPTIMIZER, EMA = Kind.MODEL.value, Kind.OPTIMIZER.value, Kind.EMA.value
-_NAMES = {"model": Kind.MODEL, "optimizer": Kind.OPTIMIZER, "opt_state": Kind.OPTIMIZER, "ema": Kind.EMA}
-FIELDS = ("model", "optimizer", "ema")
+_NAMES = {MODEL: Kind.MODEL, OPTIMIZER: Kind.OPTIMIZER, "opt_state": Kind.OPTIMIZER, EMA: Kind.EMA}
+FIELDS = (MODEL, OPTIMIZER, EMA)
 
 
 def _is_ema_state(obj: Any) -> bool:

@@ -11,24 +11,20 @@ from etils import epath
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._plain import has_steps, is_nnx_shard
 from nnx_shard._checkpoint._restore_options import RestoreOptions
-from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source
 from nnx_shard.errors import CheckpointFormatError
 
 
-class CheckpointSource:
+class CheckpointSource(SourceDefaults):
     """Reads a step of an nnx_shard checkpoint, its structure and files checked before anything is freed."""
 
     collective = True
-    note = ""
 
     def __init__(self, checkpointer: Checkpointer | str | os.PathLike[str]):
         self.checkpointer = (
             checkpointer if isinstance(checkpointer, Checkpointer) else Checkpointer(checkpointer)
         )
         self.step: int | None = None
-
-    def objects(self, live: list[str]) -> list[str]:
-        return live
 
     def prepare(self, request: ReadRequest) -> None:
         expected = request.expected

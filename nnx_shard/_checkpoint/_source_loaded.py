@@ -11,7 +11,7 @@ from flax import nnx
 from nnx_shard._base import is_graph_object
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._restore_options import RestoreOptions
-from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source, target_shardings
 from nnx_shard._reshard import reshard
 from nnx_shard.errors import CheckpointError, CheckpointFormatError
 
@@ -24,15 +24,11 @@ def check_keys(given: Mapping[str, Any], objects: Any, message: str) -> None:
         raise CheckpointError(message.format(unknown=unknown, objects=sorted(objects)))
 
 
-class LoadedState:
+class LoadedState(SourceDefaults):
     """States loaded anywhere (``nnx.State``, graph objects, pure dicts or numpy trees, on any mesh or the
     host), placed onto the restore's shardings: arrays on devices resharded (no host round trip), host data
     placed shard by shard, a pure dict's values put into the live structure. The results own their buffers,
     so the next jitted step can donate them."""
-
-    collective = False
-    note = ""
-    step = None
 
     def __init__(self, loaded: Mapping[str, Any]):
         self.loaded = dict(loaded)
@@ -40,9 +36,6 @@ class LoadedState:
     def objects(self, live: list[str]) -> list[str]:
         check_keys(self.loaded, live, "restored keys {unknown} are not among the objects {objects}.")
         return list(self.loaded)
-
-    def prepare(self, request: ReadRequest) -> None:
-        return None
 
     def read(self, request: ReadRequest) -> tuple[dict[str, Any], dict[str, Any]]:
         incoming = {}
@@ -57,14 +50,10 @@ class LoadedState:
                 template = jax.tree.map(lambda x: x, target)
                 nnx.replace_by_pure_dict(template, _unwrap_values(value))
                 incoming[key] = template
-        shardings = {k: jax.tree.map(lambda x: x.sharding, t) for k, t in request.target.items()}
-        return reshard(incoming, shardings, donate=False), {}
+        return reshard(incoming, target_shardings(request.target), donate=False), {}
 
     def describe(self) -> str | None:
         return "the loaded state"
-
-    def complete(self, restored: list[str]) -> bool:
-        return True
 
 
 def _unwrap_values(tree: Any) -> Any:

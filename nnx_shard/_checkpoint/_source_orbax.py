@@ -7,11 +7,11 @@ from typing import Any
 
 from nnx_shard._checkpoint._plain import PlainCheckpoint
 from nnx_shard._checkpoint._restore_options import RestoreOptions
-from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source
 from nnx_shard.errors import CheckpointFormatError
 
 
-class OrbaxSource:
+class OrbaxSource(SourceDefaults):
     """Reads the items of a plain Orbax checkpoint (``CheckpointManager``, ``StandardCheckpointer``,
     ``ocp.v1.save``) that fit the objects; it carries no fingerprints, which the report says."""
 
@@ -22,9 +22,6 @@ class OrbaxSource:
         self.plain = PlainCheckpoint(directory)
         self.step: int | None = None
 
-    def objects(self, live: list[str]) -> list[str]:
-        return live
-
     def prepare(self, request: ReadRequest) -> None:
         self.plain.prepare(request.step, request.target, request.options.orbax_item)
         self.step = self.plain.step
@@ -34,9 +31,6 @@ class OrbaxSource:
 
     def describe(self) -> str | None:
         return f"{self.plain.describe()} of a plain Orbax checkpoint"
-
-    def complete(self, restored: list[str]) -> bool:
-        return True
 
 
 def _make(obj: Any, options: RestoreOptions) -> OrbaxSource:

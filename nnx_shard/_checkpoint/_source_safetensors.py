@@ -11,20 +11,16 @@ import jax
 from flax import nnx
 
 from nnx_shard._checkpoint._restore_options import RestoreOptions
-from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source, target_shardings
 from nnx_shard._reshard import reshard
 from nnx_shard._weights import load_safetensors
 from nnx_shard.errors import CheckpointFormatError
 
 
-class SafetensorsFolder:
+class SafetensorsFolder(SourceDefaults):
     """Pretrained weights into the model: :func:`nnx_shard.load_safetensors` over a copy of the live model's
     state (the live one is untouched until the restore writes it), with its key map, ``skip``, ``ignore``
     and ``strict``. Only the model is read. After the read, ``report`` is the :class:`LoadReport`."""
-
-    collective = False
-    note = ""
-    step = None
 
     def __init__(
         self,
@@ -63,17 +59,11 @@ class SafetensorsFolder:
         state = self._template
         if request.options.frozen is not None:
             state = nnx.split_state(state, request.options.frozen, ...)[1]
-        target = request.target["model"]
-        return reshard(
-            {"model": state}, {"model": jax.tree.map(lambda x: x.sharding, target)}, donate=False
-        ), {}
+        return reshard({"model": state}, target_shardings(request.target), donate=False), {}
 
     def describe(self) -> str | None:
         tensors = "" if self.report is None else f" ({self.report.tensors} tensors)"
         return f"the safetensors weights of {self.files}{tensors}"
-
-    def complete(self, restored: list[str]) -> bool:
-        return True
 
 
 def is_safetensors(obj: Any) -> bool:

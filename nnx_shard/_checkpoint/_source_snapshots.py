@@ -7,11 +7,11 @@ from typing import Any
 
 from nnx_shard._checkpoint._restore_options import RestoreOptions
 from nnx_shard._checkpoint._snapshot_read import restore_from_snapshots
-from nnx_shard._checkpoint._sources import ReadRequest, register_source
+from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source
 from nnx_shard.errors import CheckpointFormatError, NoCheckpointError
 
 
-class Snapshots:
+class Snapshots(SourceDefaults):
     """The snapshots a previous run of ``previous`` processes left in this process's ``folder`` (None for a
     process new to the job), newer than step ``after``. A collective: every process reads with its own
     folder. When none is complete and verified, :meth:`prepare` raises :class:`NoCheckpointError` (every
@@ -21,16 +21,12 @@ class Snapshots:
     """
 
     collective = True
-    note = ""
 
     def __init__(self, folder: Path | None, previous: int, *, after: int):
         self.folder, self.previous, self.after = folder, previous, after
         self.step: int | None = None
         self.data_states: list[Any] = []
         self._got: Any = None
-
-    def objects(self, live: list[str]) -> list[str]:
-        return live
 
     def prepare(self, request: ReadRequest) -> None:
         if request.options.ema_as_model or request.options.frozen is not None:
@@ -47,9 +43,6 @@ class Snapshots:
 
     def describe(self) -> str | None:
         return f"the in-memory snapshots of {self.previous} process{'es' if self.previous != 1 else ''}"
-
-    def complete(self, restored: list[str]) -> bool:
-        return True
 
 
 def _make(obj: Snapshots, options: RestoreOptions) -> Snapshots:

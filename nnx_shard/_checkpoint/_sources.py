@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import jax
+
 from nnx_shard._checkpoint._restore_options import RestoreOptions
 from nnx_shard.errors import CheckpointFormatError
 
@@ -60,6 +62,29 @@ class Source(Protocol):
     def describe(self) -> str | None: ...
 
     def complete(self, restored: list[str]) -> bool: ...
+
+
+class SourceDefaults:
+    """The members most sources share: read by one process each (not collective), no note, no steps, the
+    objects it is asked for, nothing to check before the read, everything it holds read."""
+
+    collective = False
+    note = ""
+    step: int | None = None
+
+    def objects(self, live: list[str]) -> list[str]:
+        return live
+
+    def prepare(self, request: ReadRequest) -> None:
+        return None
+
+    def complete(self, restored: list[str]) -> bool:
+        return True
+
+
+def target_shardings(target: dict[str, Any]) -> dict[str, Any]:
+    """The shardings of a request's target, per object (what a source places host or device data onto)."""
+    return {name: jax.tree.map(lambda x: x.sharding, tree) for name, tree in target.items()}
 
 
 Matcher = Callable[[Any], bool]

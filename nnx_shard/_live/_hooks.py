@@ -22,7 +22,7 @@ from nnx_shard._checkpoint import (
 from nnx_shard._cluster import barrier_sync
 from nnx_shard._live._placement import create_sharded
 from nnx_shard._live._resize import ResizeReport, move
-from nnx_shard._live._restore_objects import restore_options, source_given, write_states
+from nnx_shard._live._restore_objects import read_arguments, write_states
 from nnx_shard._reshard import reshard
 from nnx_shard._sharding import ShardingPlan, plan_sharding
 from nnx_shard.errors import LifecycleError
@@ -289,22 +289,14 @@ class ShardingHooks:
         ``items=``, ``item=`` and ``checkpointer=`` are the old names of ``only=``,
         ``orbax_item=`` and ``source`` (they warn).
         """
-        where = "ShardingHooks.restore_and_reshard"
-        unknown = sorted(set(old) - {"checkpointer", "items", "item"})
-        if unknown:
-            raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
-        source = source_given(where, source, {"checkpointer": old.pop("checkpointer", None)})
-        if source is None:
-            raise TypeError(f"{where}() needs a source: a Checkpointer, a directory, or loaded states.")
         keywords = {
             "only": only,
             "orbax_item": orbax_item,
             "ema_as_model": ema_as_model,
             "free_live": free_live,
         }
-        opts = restore_options(
-            where, options, keywords | {"max_host_bytes": max_host_bytes, "frozen": frozen, **old}
-        )
+        keywords |= {"max_host_bytes": max_host_bytes, "frozen": frozen}
+        source, opts = read_arguments("ShardingHooks.restore_and_reshard", source, options, keywords, old)
         self._require("live objects to restore into")
         restored, report = restore_onto(
             source, self.states(), self.shardings, self._mesh, step=step, options=opts

@@ -24,6 +24,29 @@ def restore_options(where: str, options: RestoreOptions | None, arguments: dict[
     return RestoreOptions.given(options, **renamed(arguments, where))
 
 
+def read_arguments(
+    where: str,
+    source: Any,
+    options: RestoreOptions | None,
+    keywords: dict[str, Any],
+    old: dict[str, Any],
+    old_sources: tuple[str, ...] = ("checkpointer",),
+) -> tuple[Any, RestoreOptions]:
+    """What a public restore was asked: its source (or what an old ``checkpointer=``/``state=`` gave) and
+    its options (``options=``, or the keywords; the old ``items=``/``item=`` warn).
+
+    Raises:
+      TypeError: a keyword the restore does not take, or no source.
+    """
+    unknown = sorted(set(old) - {*old_sources, "items", "item"})
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
+    source = source_given(where, source, {k: old.pop(k, None) for k in old_sources})
+    if source is None:
+        raise TypeError(f"{where}() needs a source: a Checkpointer, a directory, or loaded states.")
+    return source, restore_options(where, options, {**keywords, **old})
+
+
 def source_given(where: str, source: Any, old: dict[str, Any]) -> Any:
     """The source, or what an old keyword (``checkpointer=``, ``state=``) gave, with a warning."""
     given = {k: v for k, v in old.items() if v is not None}
@@ -38,7 +61,7 @@ def source_given(where: str, source: Any, old: dict[str, Any]) -> Any:
     warnings.warn(
         f"{where}: {name}= is now the first argument, source (every kind of source goes there).",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of the public restore
     )
     return value
 
@@ -98,16 +121,12 @@ def restore_and_reshard(
     >>> print(restore_and_reshard(ckpt, {"model": model}, strategy, half))
     restored step 7, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)
     """
-    where = "restore_and_reshard"
-    unknown = sorted(set(old) - {"state", "checkpointer", "items", "item"})
-    if unknown:
-        raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
-    source = source_given(where, source, {k: old.pop(k, None) for k in ("checkpointer", "state")})
-    if source is None or objects is None or strategy is None or mesh is None:
-        raise TypeError(f"{where}() needs a source, the objects, a strategy and a mesh.")
     keywords = {"only": only, "orbax_item": orbax_item, "ema_as_model": ema_as_model, "free_live": free_live}
-    keywords |= {"max_host_bytes": max_host_bytes, "frozen": frozen, **old}
-    opts = restore_options(where, options, keywords)
+    keywords |= {"max_host_bytes": max_host_bytes, "frozen": frozen}
+    old_sources = ("checkpointer", "state")
+    source, opts = read_arguments("restore_and_reshard", source, options, keywords, old, old_sources)
+    if objects is None or strategy is None or mesh is None:
+        raise TypeError("restore_and_reshard() needs the objects, a strategy and a mesh after the source.")
     plan = plan_sharding(dict(objects), strategy, mesh)
     live = as_state(dict(objects))[0]
     restored, report = restore_onto(source, live, plan.shardings, mesh, step=step, options=opts)

@@ -28,10 +28,9 @@ class Running:
             None  # compiled for the live mesh and plan, from the Trainer's init()
         )
         self.eval: CompiledEval | None = None
-        self.eval_metrics: Callable[..., Any] | None = None
 
     def compile_for(self, steps: CompiledSteps, eval_metrics: Callable[..., Any]) -> None:
-        self.steps, self.eval, self.eval_metrics = steps, CompiledEval(steps, eval_metrics), eval_metrics
+        self.steps, self.eval = steps, CompiledEval(steps, eval_metrics)
 
     def run_step(self, batch: Any) -> Any:
         """One step on a global batch, the new state given to the hooks; returns the metrics."""
@@ -55,7 +54,8 @@ class Running:
         """Moves the live state onto ``new``, the steps compiled again for it, the processes told."""
         old, before = self.hooks.mesh, data_shard(self.hooks.mesh)
         report = self.hooks.on_mesh_change(new, donate=donate)
-        self.compile_for(self.steps.moved(new, self.hooks.plan), self.eval_metrics)  # for the old shardings
+        # the programs were compiled for the old shardings
+        self.compile_for(self.steps.moved(new, self.hooks.plan), self.eval.eval_metrics)
         moved_data = data_shard(new) != before
         processes = self.resizing.moved(old, new, moved_data, self.observer)
         step = self.progress.step
