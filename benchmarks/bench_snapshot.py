@@ -45,6 +45,7 @@ def where_the_time_goes(states, repeats: int = 5) -> tuple[float, float]:
     """(ms on the step's path, ms in the background) of one snapshot of ``states``, best of ``repeats``."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # host memory, as the Trainer's snapshots
     writer = SnapshotWriter(tempfile.mkdtemp(prefix="bench_snapshot_", dir=shm), keep=2)
+    writer.prepare(states)
     on_path, total = [], []
     for k in range(repeats):
         jax.block_until_ready(states)

@@ -12,7 +12,9 @@ chance.
 Where it is computed (:func:`route` names it, per array):
 - On GPUs and TPUs, each device sums its own shard in one fused pass (XLA fuses
   the weighting into the reduction there: no temporary), then one psum adds the
-  shards; one program compiled per shape, dtype and sharding.
+  shards; one program compiled per shape, dtype and sharding, every array's
+  queued before any is read. A read of a checkpoint compiles them while Orbax
+  reads (:func:`compile_ahead`).
 - On CPU devices across processes, the same, block by block (XLA's CPU backend
   does not fuse the weighting: the temporary is one 64 KiB block): one pass,
   memory-bound (about 10 GB/s on a 2-core CPU's simulated devices).
@@ -24,11 +26,14 @@ Where it is computed (:func:`route` names it, per array):
   programs.)
 - Small arrays whose values this process holds (biases, norms, counters) are
   summed in NumPy on the host, on any backend: no program per shape.
+
+A block's share of the sum, on the host or on its device, is in ``_fingerprint_shares``.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,29 +43,23 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._base import cached, entry_axes, holding_processes, in_threads, is_key
+from nnx_shard._checkpoint._fingerprint_shares import (
+    as_words,
+    block_sum,
+    weighted_sum,
+    word_shape,
+    word_strides,
+    word_view,
+)
 from nnx_shard._cluster import gather_json
 
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
 SMALL_BYTES = 2**20
 CHUNK = 64
-_C1, _C2 = np.uint32(0x9E3779B1), np.uint32(0x7F4A7C15)  # numpy: importing must not start a backend
-
-
-def _words(x: jax.Array) -> jax.Array:
-    """The array's bits as uint32 words (wider types split, narrower ones widened)."""
-    if is_key(x):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = jnp.dtype(x.dtype).itemsize
-    if size == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # adds a trailing dimension of 2
-    return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
 
 
 def _one(x: jax.Array) -> jax.Array:
-    w = _words(x)
+    w = as_words(x)
     if w.ndim == 0:
         w = w[None]
     index = jnp.zeros(w.shape, jnp.uint32)
@@ -68,12 +67,7 @@ def _one(x: jax.Array) -> jax.Array:
     for dim in reversed(range(w.ndim)):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, dim) * jnp.uint32(stride % 2**32)
         stride *= w.shape[dim]
-    return _weighted_sum(w, index)
-
-
-def _weighted_sum(words: jax.Array, index: jax.Array) -> jax.Array:
-    """The sum of ``words``, each times an odd function of its global ``index``, modulo 2**32."""
-    return jnp.sum(words * ((index * _C1 + _C2) | jnp.uint32(1)), dtype=jnp.uint32)
+    return weighted_sum(w, index)
 
 
 @cached(maxsize=None)
@@ -86,13 +80,8 @@ HOST_BYTES = 2**16
 
 
 def _whole_words(x: jax.Array) -> bool:
-    """Whether NumPy can sum ``x``'s words as :func:`_words` makes them: bytes of 1, 2 or 4, no key."""
+    """Whether NumPy can sum ``x``'s words as :func:`as_words` makes them: bytes of 1, 2 or 4, no key."""
     return not is_key(x) and jax.dtypes.itemsize_bits(x.dtype) % 8 == 0 and jnp.dtype(x.dtype).itemsize <= 4
-
-
-def _word_view(data: np.ndarray) -> np.ndarray:
-    """``data``'s words as unsigned integers of its width (a bool as one byte, 0 or 1), no copy."""
-    return data.view(np.uint8 if data.dtype == np.bool_ else np.dtype(f"u{data.dtype.itemsize}"))
 
 
 def _on_host(x: jax.Array) -> bool:
@@ -106,7 +95,7 @@ def _on_host(x: jax.Array) -> bool:
 
 def _host_sum(value: np.ndarray) -> int:
     """The sum of :func:`_one` over an array already on the host: one block of one row."""
-    return _block_sum(_word_view(value).reshape(-1), 0, [1])
+    return block_sum(word_view(value).reshape(-1), 0, [1])
 
 
 def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
@@ -119,96 +108,20 @@ def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
 IN_PLACE = True
 
 
-def _word_shape(shape: Sequence[int], dtype: Any) -> tuple[int, ...]:
-    """The shape of :func:`_words` of an array: 8-byte values are two words, in a last dimension."""
-    return tuple(shape) + ((2,) if jnp.dtype(dtype).itemsize == 8 else ())
-
-
-def _word_strides(shape: Sequence[int]) -> list[int]:
-    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-
-
 def _in_place(x: jax.Array) -> bool:
-    """Whether ``x`` is summed in place by :func:`_block_sum`: on this process's CPUs, whole bytes of
+    """Whether ``x`` is summed in place by :func:`block_sum`: on this process's CPUs, whole bytes of
     at most 4, and every dimension but the last of even stride (a word's parity is then its last index's)."""
     if not IN_PLACE or x.ndim == 0 or not x.is_fully_addressable or not _whole_words(x):
         return False
     if any(d.platform != "cpu" for d in x.sharding.device_set):
         return False
-    return all(stride % 2 == 0 for stride in _word_strides(x.shape)[:-1])
-
-
-def _index_sum(marginal: np.ndarray) -> int:
-    """sum_j j * marginal[j], modulo 2**32."""
-    return int((np.arange(marginal.size, dtype=np.uint32) * marginal).sum(dtype=np.uint32))
-
-
-def _block_sum(words: np.ndarray, base: int, strides: Sequence[int]) -> int:
-    """:func:`_one`'s sum over one block (its first word at global index ``base``), in two passes.
-
-    The weight ``(i*C1 + C2) | 1`` equals ``i*C1 + C2 + (i & 1)`` (C1 and C2 are
-    odd), which is linear in the index but for its parity. So the sum is
-    ``C1 * (base*S + sum_d stride_d * sum_j j*M_d[j]) + C2*S + (the words at odd i)``,
-    where ``M_d`` sums the block over every dimension but ``d``: one pass for
-    ``M_0``, one for the sum over dimension 0, the rest over that smaller sum.
-    """
-    if words.ndim == 1 and words.size > 4096 and math.gcd(words.size, 4096) >= 64:
-        k = math.gcd(words.size, 4096)  # one long row as rows of k: the same words, strides (k, 1)
-        words, strides = words.reshape(-1, k), (k * strides[0], strides[0])
-    marginals, rest = [], words
-    while rest.ndim > 1:  # einsum, not sum: 20% faster here, mostly its sum over dimension 0
-        axes = list(range(rest.ndim))
-        marginals.append(np.einsum(rest, axes, [0], dtype=np.uint32))
-        rest = np.einsum(rest, axes, axes[1:], dtype=np.uint32)
-    marginals.append(rest.astype(np.uint32, copy=False))
-    total = int(marginals[-1].sum(dtype=np.uint32))
-    linear = sum(stride * _index_sum(m) for stride, m in zip(strides, marginals, strict=True))
-    odd = int(marginals[-1][(base + 1) % 2 :: 2].sum(dtype=np.uint32))
-    return (int(_C1) * (base * total + linear) + int(_C2) * total + odd) % 2**32
-
-
-def block_fingerprint(data: np.ndarray, start: Sequence[int], shape: Sequence[int]) -> int:
-    """The share of :func:`fingerprints`' sum that a block of an array holds, on the host (nothing compiled).
-
-    ``data`` is the block (C order) whose first element is at ``start`` in an
-    array of global ``shape``. The shares of blocks that tile the array add up,
-    modulo 2**32, to its fingerprint: a snapshot sums each piece where it is
-    written and checks the whole after it is read back onto other devices.
-
-    >>> x = np.arange(24, dtype=np.float32).reshape(4, 6)
-    >>> top, bottom = block_fingerprint(x[:2], (0, 0), x.shape), block_fingerprint(x[2:], (2, 0), x.shape)
-    >>> f"{(top + bottom) % 2**32:08x}" == fingerprints([jnp.asarray(x)])[0]
-    True
-    """
-    data = np.asarray(data)
-    data = data if data.flags.c_contiguous else np.ascontiguousarray(data)  # (which makes a scalar 1-D)
-    shape, start = list(shape), list(start)
-    if data.dtype.itemsize == 8:  # as _words: two 32-bit words, the low one first, in a last dimension
-        words = data.view(np.uint32).reshape(*data.shape, 2)
-        shape, start = [*shape, 2], [*start, 0]
-    else:
-        words = _word_view(data)
-    if words.ndim == 0:
-        words, shape, start = words.reshape(1), [1], [0]
-    strides = _word_strides(shape)
-    base = sum(f * stride for f, stride in zip(start, strides, strict=True)) % 2**32
-    if words.size == 0:
-        return 0
-    if all(stride % 2 == 0 for stride in strides[:-1]):
-        return _block_sum(words, base, strides)
-    index = np.full((), base, np.uint32)  # a word's global index, for any strides (small arrays, mostly)
-    for d, stride in enumerate(strides):
-        axis = [1] * words.ndim
-        axis[d] = words.shape[d]
-        index = index + np.arange(words.shape[d], dtype=np.uint32).reshape(axis) * np.uint32(stride % 2**32)
-    weights = (index * _C1 + _C2) | np.uint32(1)
-    return int((words.astype(np.uint32) * weights).sum(dtype=np.uint32))
+    return all(stride % 2 == 0 for stride in word_strides(x.shape)[:-1])
 
 
 @cached(maxsize=256)
 def _bases(shape: tuple[int, ...], sharding: Any) -> tuple[list[int], dict[Any, int]]:
     """The word strides, and the global index of each block's first word, on one device per block."""
-    strides, bases, seen = _word_strides(shape), {}, set()
+    strides, bases, seen = word_strides(shape), {}, set()
     for device, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
         first = tuple((i.start or 0) for i in index)
         if first not in seen:
@@ -226,11 +139,11 @@ def _in_place_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
         strides, bases = _bases(tuple(x.shape), x.sharding)
         for shard in x.addressable_shards:
             if shard.device in bases:  # each block once
-                blocks.append((n, _word_view(np.asarray(shard.data)), bases[shard.device], strides))
+                blocks.append((n, word_view(np.asarray(shard.data)), bases[shard.device], strides))
     if not blocks:
         return ["00000000"] * len(arrays)  # nothing to sum: empty arrays
     parts = in_threads(
-        lambda k: _block_sum(blocks[k][1], blocks[k][2], blocks[k][3]), [b[1].nbytes for b in blocks]
+        lambda k: block_sum(blocks[k][1], blocks[k][2], blocks[k][3]), [b[1].nbytes for b in blocks]
     )
     sums = [0] * len(arrays)
     for (n, _, _, _), value in zip(blocks, parts, strict=True):
@@ -266,8 +179,8 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
     round trip per block.
     """
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    words_shape = _word_shape(shape, dtype)
-    strides = [s % 2**32 for s in _word_strides(words_shape)]
+    words_shape = word_shape(shape, dtype)
+    strides = [s % 2**32 for s in word_strides(words_shape)]
     sharded = tuple(a for entry in spec for a in entry_axes(entry))
 
     def local(x: jax.Array) -> jax.Array:
@@ -286,10 +199,10 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
 
         def block_sum(start: jax.Array, size: int) -> jax.Array:
             # Slice first, then reinterpret: the words of one block, never of the whole shard.
-            part = _words(jax.lax.dynamic_slice_in_dim(x, start, size, 0))
+            part = as_words(jax.lax.dynamic_slice_in_dim(x, start, size, 0))
             row = jax.lax.broadcasted_iota(jnp.uint32, part.shape, 0) + start.astype(jnp.uint32)
             index = base + row * jnp.uint32(strides[0]) + rest[None]
-            return _weighted_sum(part, index)
+            return weighted_sum(part, index)
 
         full = rows // block
         total = jax.lax.fori_loop(0, full, lambda i, acc: acc + block_sum(i * block, block), jnp.uint32(0))
@@ -305,42 +218,45 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
     )
 
 
-@cached(maxsize=256)
-def _block_program(shape: tuple[int, ...], dtype: Any, global_shape: tuple[int, ...]) -> Any:
-    """``(block, base) -> share``: :func:`block_fingerprint` of a block of ``global_shape`` whose first word
-    is at global index ``base``, on the block's own device, in one fused pass (``base`` is an argument: one
-    program for every block of one shape)."""
-    words_shape = _word_shape(shape, dtype)
-    strides = [s % 2**32 for s in _word_strides(_word_shape(global_shape, dtype))]
-
-    def share(x: jax.Array, base: jax.Array) -> jax.Array:
-        words = _words(x).reshape(words_shape) if words_shape else _words(x).reshape(1)
-        index = jnp.full(words.shape, base, jnp.uint32)
-        for d in range(len(words_shape)):
-            index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(strides[d])
-        return _weighted_sum(words, index)
-
-    return jax.jit(share)
+# Programs of large arrays' signatures, compiled ahead by :func:`compile_ahead` (a jit call would compile
+# again: AOT executables are not in jit's cache).
+_AHEAD: dict[Any, Any] = {}
+_AHEAD_LOCK = threading.Lock()
 
 
-def device_shares(blocks: Sequence[tuple[jax.Array, Sequence[int], Sequence[int]]]) -> list[jax.Array]:
-    """Each ``(block, start, global shape)``'s share of its array's fingerprint, dispatched on the block's own
-    device and not waited for (a uint32 scalar each; ``int()`` reads it). The shares of blocks tiling an
-    array add up to :func:`fingerprints`' value, as :func:`block_fingerprint`'s do.
-
-    >>> x = jnp.arange(24.0).reshape(4, 6)
-    >>> shares = device_shares([(x[:2], (0, 0), (4, 6))])
-    >>> [int(s) for s in shares] == [block_fingerprint(np.asarray(x[:2]), (0, 0), (4, 6))]
-    True
+def compile_ahead(targets: Sequence[Any]) -> threading.Thread | None:
+    """Compiles, in a thread, the fused programs that will fingerprint arrays like ``targets`` (arrays or
+    ``jax.ShapeDtypeStruct`` with shardings) on GPUs and TPUs, so that a fingerprint after a read that
+    outlasts the compile costs no compile (XLA lets go of the GIL while it compiles). Returns the thread,
+    or None when there is nothing to compile (CPU devices, small arrays, programs already there).
     """
-    out = []
-    for data, start, shape in blocks:
-        strides = _word_strides(_word_shape(shape, data.dtype))
-        base = sum(int(f) * st for f, st in zip(start, strides, strict=False)) % 2**32
-        program = _block_program(tuple(data.shape), data.dtype, tuple(shape))
-        device = next(iter(data.devices()))
-        out.append(program(data, jax.device_put(np.uint32(base), device)))
-    return out
+    todo = {}
+    for x in targets:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or _platform(x) == "cpu" or is_key(x):
+            continue
+        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        if nbytes > SMALL_BYTES and _by_shard(x) and _signature(x) not in _AHEAD:
+            todo[_signature(x)] = x
+
+    def run() -> None:
+        for (shape, dtype, sharding), x in todo.items():
+            compiled = _shard_program(shape, dtype, sharding, False).lower(x).compile()
+            with _AHEAD_LOCK:
+                _AHEAD[(shape, dtype, sharding)] = compiled
+
+    if not todo:
+        return None
+    thread = threading.Thread(target=run, daemon=True, name="nnx_shard-fingerprint-compile")
+    thread.start()
+    return thread
+
+
+def _fused(x: jax.Array) -> Any:
+    """The fused program for ``x``'s signature: compiled ahead, or the jitted one."""
+    with _AHEAD_LOCK:
+        compiled = _AHEAD.get(_signature(x))
+    return compiled or _shard_program(x.shape, x.dtype, x.sharding, False)
 
 
 def _host(sums: jax.Array) -> np.ndarray:
@@ -379,24 +295,30 @@ def fingerprints(arrays: Sequence[Any]) -> list[str]:
 
 def _fingerprints(arrays: list[jax.Array]) -> list[str]:
     out = [""] * len(arrays)
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        if not _on_host(x) and not _in_place(x):
+            groups.setdefault(_signature(x), []).append(i)
+    fused = {}  # GPUs, TPUs: every program queued first, each read after (one wait, not one per array)
+    for members in groups.values():
+        if route(arrays[members[0]], len(members)) == "fused":
+            fused.update({i: _fused(arrays[i])(arrays[i]) for i in members})
     small = [i for i, x in enumerate(arrays) if _on_host(x)]
     for i, value in zip(small, _host_fingerprints([arrays[i] for i in small]), strict=True):
         out[i] = value
     here = [i for i, x in enumerate(arrays) if not out[i] and _in_place(x)]
     for i, value in zip(here, _in_place_fingerprints([arrays[i] for i in here]), strict=True):
         out[i] = value
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(arrays):
-        if not out[i]:
-            groups.setdefault(_signature(x), []).append(i)
     for members in groups.values():
         first = arrays[members[0]]
         how = route(first, len(members))
         step = CHUNK if how == "batched" else 1
         for k in range(0, len(members), step):
             chunk = members[k : k + step]
-            if how in ("blocks", "fused"):  # a large array: each device over its shard, one psum
-                program = _shard_program(first.shape, first.dtype, first.sharding, how == "blocks")
+            if how == "fused":  # a large array on GPUs, TPUs: each device over its shard, one psum
+                sums = _host(fused[chunk[0]])
+            elif how == "blocks":  # on CPU devices, block by block; one at a time (CPU collectives)
+                program = _shard_program(first.shape, first.dtype, first.sharding, True)
                 sums = _host(program(arrays[chunk[0]]))
             else:
                 sums = _host(_program()([arrays[i] for i in chunk]))

@@ -15,6 +15,7 @@ from etils import epath
 
 from nnx_shard._checkpoint._directory import checkpoints_below, corrupted, read_limit, unreadable
 from nnx_shard._checkpoint._faults import storage_faults
+from nnx_shard._checkpoint._fingerprint import compile_ahead
 from nnx_shard._checkpoint._format import (
     leaf_paths,
     restore_keys,
@@ -181,6 +182,8 @@ class CheckpointReader:
     ) -> tuple[Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.read`."""
         stored, keys = storage_target(target)
+        # the verification's programs compile while Orbax reads (the first compile in a process costs ~1 s)
+        ahead = compile_ahead(jax.tree.leaves(stored)) if self.verify else None
         with self.reading(step):
             out = self._reader(max_host_bytes, stored).restore(
                 step,
@@ -197,6 +200,8 @@ class CheckpointReader:
         if not isinstance(meta, Mapping):
             raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
         meta = dict(meta)
+        if ahead is not None:
+            ahead.join()
         if self.verify and "fingerprints" in meta:
             self._verify(step, states, meta["fingerprints"])
         return restore_keys(states, meta.get("prng_keys", {}), keys), meta

@@ -10,14 +10,17 @@ death loses no snapshot data: the peer is on another failure domain (the host
 name, or ``NNX_SHARD_FAILURE_DOMAIN``). Each process reads and writes only its
 own sub-folder, as on separate hosts. The newest ``keep`` snapshots are kept.
 
-Off the step's path: the step that takes a snapshot only starts the copy of
-its shards to host memory (``pinned_host``, an asynchronous copy, where the
-devices have their own memory; on CPU devices, whose memory is the host's, the
-one copy straight into the snapshot's file, needed before the next step may
-donate the buffers). On GPUs and TPUs each piece's fingerprint share is summed
-by its device, queued with the copy (one fused pass, no host work); on CPUs it
-is summed from the bytes in the background. Writing the header and the peer's
-copy happen while the next steps run. A snapshot due while the last one is
+Off the step's path: on GPUs and TPUs, the step that takes a snapshot only
+queues one program per device that copies its shards within its own memory
+and sums each piece's fingerprint share (``_snapshot_stage``); the copies then
+leave for the host in chunks, two at a time, in the background, so that the
+steps' own small reads are not queued behind the whole snapshot. Where a
+device lacks the memory for the copies, the step starts the transfer of the
+live shards to host memory (``pinned_host``) and their shares. On CPU devices,
+whose memory is the host's, the step makes the one copy straight into the
+snapshot's file (needed before the next step may donate the buffers), and the
+shares are summed from the bytes in the background. Writing the header and the
+peer's copy happen while the next steps run. A snapshot due while the last one is
 still being written is skipped and counted (as Orbax skips a save), so the
 step never waits on a copy. Each piece carries its share of the array's
 content fingerprint, summed from the bytes written: the pieces of one array
@@ -47,7 +50,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._checkpoint._fingerprint import device_shares
+from nnx_shard._checkpoint._fingerprint_shares import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
     copy_in,
@@ -57,6 +60,7 @@ from nnx_shard._checkpoint._snapshot_file import (
     mapped,
     own_shards,
 )
+from nnx_shard._checkpoint._snapshot_stage import Staged, Staging
 from nnx_shard._cluster import gather_json, process_mesh
 from nnx_shard.errors import ConfigError
 
@@ -126,6 +130,11 @@ def received(sent: Any) -> np.ndarray:
     return np.asarray(moved.addressable_shards[0].data)[0, :length]
 
 
+def _accelerated(shards: Sequence[Any]) -> bool:
+    """Whether the shards are on GPUs or TPUs (not CPU devices, whose memory is the host's)."""
+    return any(next(iter(d.devices())).platform != "cpu" for _, _, d, _ in shards)
+
+
 @dataclasses.dataclass
 class _Snapshot:
     """One snapshot being written: its folder (``.step-N.tmp`` until complete), its own file's pieces, the
@@ -141,6 +150,7 @@ class _Snapshot:
     error: str | None = None
     pages: np.ndarray | None = None
     shares: list[Any] | None = None  # each piece's fingerprint share, computed on its device (GPUs, TPUs)
+    staged: Staged | None = None  # the devices' own copies, and their shares (GPUs, TPUs with room)
 
 
 class SnapshotWriter:
@@ -173,6 +183,14 @@ class SnapshotWriter:
         self.skipped = 0
         self.last_bytes = (0, 0)
         self._premapped: tuple[int, np.ndarray] | None = None  # (inode, pages) of the file the next reuses
+        self._staging = Staging()
+
+    def prepare(self, states: Any) -> None:
+        """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs): the
+        first snapshot then dispatches and returns."""
+        shards = own_shards(states)
+        if _accelerated(shards):
+            self._staging.prepare(shards)
 
     def check_space(self, own_bytes: int) -> int:
         """Bytes the kept snapshots need here (own + peer, times ``keep``); ConfigError when the folder lacks
@@ -216,16 +234,17 @@ class SnapshotWriter:
         shards = own_shards(states)
         pieces, size = layout(shards)
         folder = self._reuse(step)
-        snapshot = _Snapshot(
-            step, folder, pieces, size, [host_memory(d) for _, _, d, _ in shards], data_state
-        )
-        if any(s is d for s, (_, _, d, _) in zip(snapshot.sources, shards, strict=True)):
+        staged = self._staging.stage(shards) if _accelerated(shards) else None
+        # copied within each device's memory (GPUs, TPUs with room): the next step may donate at once
+        sources = None if staged is not None else [host_memory(d) for _, _, d, _ in shards]
+        snapshot = _Snapshot(step, folder, pieces, size, sources, data_state, staged=staged)
+        if sources is not None and any(s is d for s, (_, _, d, _) in zip(sources, shards, strict=True)):
             # shards with no copy under way (CPU devices, whose memory is the host's; devices without host
             # memory kinds): copied now, before the next step may donate them
             snapshot.pages = self._pages(folder / "own.bin", size)  # summed from in the background
             copy_in(snapshot.pages, pieces, snapshot.sources)
             snapshot.sources = None
-        else:  # the shares summed by the devices, queued before the next step: the host only reads them
+        elif staged is None:  # the shares summed by the devices, queued before the next step
             snapshot.shares = device_shares(
                 [(d, [a for a, _ in index], shape) for _, index, d, shape in shards]
             )
@@ -313,10 +332,14 @@ class SnapshotWriter:
             own = snapshot.folder / "own.bin"
             buf = snapshot.pages if snapshot.pages is not None else mapped(own, snapshot.size)
             snapshot.pages = None  # unmapped with buf
+            if snapshot.staged is not None:  # the devices' own copies, now to the host
+                snapshot.staged.write_into(buf, snapshot.pieces)
             if snapshot.sources is not None:
                 copy_in(buf, snapshot.pieces, snapshot.sources)  # waits for the copies to host memory
                 snapshot.sources = None
             shares = None if snapshot.shares is None else [int(x) for x in snapshot.shares]
+            if snapshot.staged is not None:
+                shares, snapshot.staged = snapshot.staged.share_values(), None
             snapshot.shares = None
             header = header_bytes(buf, snapshot.step, snapshot.pieces, snapshot.data_state, shares)
             buf[:HEADER] = np.frombuffer(snapshot.size.to_bytes(HEADER, "little"), np.uint8)

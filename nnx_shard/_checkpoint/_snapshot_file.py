@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from nnx_shard._base import in_threads
-from nnx_shard._checkpoint._fingerprint import block_fingerprint
+from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint
 from nnx_shard._checkpoint._format import leaf_paths, storable
 
 HEADER = 8  # bytes saying where the JSON header starts; the shards follow them

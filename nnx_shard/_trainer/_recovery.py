@@ -179,6 +179,7 @@ class Recovery:
             discard = [snapshot_folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
         writer = SnapshotWriter(root, keep=2, run=None if info is None else info.restart, discard=discard)
         need = writer.check_space(snapshot_own_bytes(self.hooks.states()))
+        writer.prepare(self.hooks.states())  # the devices' programs, compiled while the first steps run
         logger.info(
             "snapshots every %d steps in %s: %.1f MiB of host memory here (own and a peer's shards, 2 kept)",
             cfg.snapshot_every,

@@ -13,7 +13,12 @@ import nnx_shard as ns
 
 # How fingerprints are computed: by the devices' programs, in NumPy on the host (small arrays), or
 # in place on CPU devices by marginal sums. Every way must give the same fingerprint.
-PATHS = {"programs": (-1, False), "host": (2**20, False), "in place": (-1, True)}
+PATHS = {
+    "programs": (-1, False, "cpu"),
+    "host": (2**20, False, "cpu"),
+    "in place": (-1, True, "cpu"),
+    "fused, all queued before any is read (as on GPUs)": (-1, False, "gpu"),
+}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "uint8", "int32", "bool"], ids=lambda d: d)
@@ -39,10 +44,12 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
         changed[40, 5, 3] = ~changed[40, 5, 3]
     else:
         changed[40, 5, 3:4].view(np.uint8)[0] ^= 1  # one bit of one word
-    for host_bytes, in_place in PATHS.values():
+    for host_bytes, in_place, platform in PATHS.values():
         monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
         monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
-        prints |= {fingerprints([jax.device_put(host, s)])[0] for s in layouts}
+        monkeypatch.setattr(_fingerprint, "_platform", lambda x, p=platform: p)
+        monkeypatch.setattr(_fingerprint, "SMALL_BYTES", 0)  # no batching: each its own program
+        prints |= set(fingerprints([jax.device_put(host, s) for s in layouts]))  # several at once
         prints.add(fingerprints([np.asarray(host)])[0])  # host data
         changed_prints.add(fingerprints([jax.device_put(changed, layouts[1])])[0])
     assert len(prints) == 1 and len(changed_prints) == 1
@@ -53,7 +60,7 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
 
 def block_shares(x: jax.Array) -> str:
     """The fingerprint of ``x`` as the sum of its distinct blocks' shares (``block_fingerprint``)."""
-    from nnx_shard._checkpoint._fingerprint import block_fingerprint
+    from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint
 
     blocks = {
         tuple(s.start or 0 for s in shard.index): np.asarray(shard.data) for shard in x.addressable_shards
@@ -82,10 +89,12 @@ def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatc
     host = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     x = jax.device_put(host, NamedSharding(mesh, spec))
     got = set()
-    for host_bytes, in_place in PATHS.values():
+    for host_bytes, in_place, platform in PATHS.values():
         monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
         monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        monkeypatch.setattr(_fingerprint, "_platform", lambda x, p=platform: p)
         got.add(_fingerprint.fingerprints([x])[0])
+    monkeypatch.setattr(_fingerprint, "IN_PLACE", True)
     assert len(got) == 1 and got == {block_shares(x)}
     assert _fingerprint._in_place(x) == (shape not in [(48, 7), (8, 6, 5)])
 

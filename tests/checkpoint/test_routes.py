@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import nnx_shard as ns
 from nnx_shard._base import threefry_kernel
 from nnx_shard._checkpoint import _fingerprint as fp
+from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint
 from nnx_shard._trainer._norm import global_norm, norm_route
 from tests.helpers import mesh_of
 
@@ -74,7 +75,7 @@ def test_the_fused_shard_program_sums_what_the_blocked_one_and_the_host_do(dtype
             int(np.asarray(fp._shard_program(x.shape, x.dtype, x.sharding, blocks)(x))[0])
             for blocks in (True, False)
         ]
-        host = fp.block_fingerprint(np.asarray(x), (0,) * x.ndim, x.shape)
+        host = block_fingerprint(np.asarray(x), (0,) * x.ndim, x.shape)
     assert sums[0] == sums[1] == host
 
 
@@ -98,3 +99,38 @@ def test_sharded_creation_leaves_the_users_settings_as_they_were():
     assert init.lower().compile().memory_analysis() is not None
     assert jax.config.jax_threefry_gpu_kernel_lowering == before
     assert states["kernel"].get_value().shape == (8, 64)
+
+
+def test_a_verified_read_compiles_its_fused_programs_ahead_and_uses_them(tmp_path, monkeypatch):
+    """As on a GPU: the read starts compiling the fingerprint programs of its targets before Orbax reads, and
+    the verification calls those executables (no second compile); the values are the jitted program's."""
+    from flax import nnx
+
+    monkeypatch.setattr(fp, "IN_PLACE", False)
+    monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
+    monkeypatch.setattr(fp, "_AHEAD", {})
+    mesh = mesh_of("8")
+    hooks = ns.ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
+    hooks.on_init(lambda: {"model": nnx.Linear(512, 1024, rngs=nnx.Rngs(0))})
+    with ns.Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        hooks.save(ckpt, 1)
+        kernel = hooks.states()["model"]["kernel"]
+        jitted = fp._fingerprints([kernel.get_value()])
+        started = []
+        real = fp.compile_ahead
+        monkeypatch.setattr(
+            fp, "compile_ahead", lambda targets: started.append(len(targets)) or real(targets)
+        )
+        from nnx_shard._checkpoint import _reads
+
+        monkeypatch.setattr(_reads, "compile_ahead", fp.compile_ahead)
+        fp._AHEAD.clear()
+        calls = []
+        real_program = fp._shard_program
+        monkeypatch.setattr(
+            fp, "_shard_program", lambda *a: calls.append(a[3]) or real_program.__wrapped__(*a)
+        )
+        hooks.restore_and_reshard(ckpt)
+    assert started and len(fp._AHEAD) == 1  # the kernel's signature (the bias is summed on the host)
+    assert calls == [False]  # lowered once, for the compile ahead; the verification ran the executable
+    assert fp._fingerprints([hooks.states()["model"]["kernel"].get_value()]) == jitted

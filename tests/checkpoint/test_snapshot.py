@@ -155,3 +155,91 @@ def test_shares_summed_by_the_devices_when_the_copy_leaves_them_are_the_bytes_sh
         sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
     assert {k: f"{v:08x}" for k, v in sums.items()} == tree_fingerprints(states)
     writer.close(remove=True)
+
+
+def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_in_one_program(
+    tmp_path, monkeypatch
+):
+    """As on a GPU with free memory: each device copies its shards within its memory and sums their shares
+    in one program, compiled ahead by ``prepare``; the copies then leave for the host in the background. The
+    file holds the state's bytes, and its shares add up to the state's fingerprints."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnx_shard._checkpoint import _snapshot, _snapshot_file, _snapshot_stage, tree_fingerprints
+    from tests.helpers import mesh_of
+
+    mesh = mesh_of("8")
+    states = {
+        "w": jax.device_put(jnp.arange(4096.0).reshape(64, 64), NamedSharding(mesh, PartitionSpec("fsdp"))),
+        "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), NamedSharding(mesh, PartitionSpec())),
+        "n": jax.device_put(jnp.arange(16, dtype=jnp.int8), NamedSharding(mesh, PartitionSpec("fsdp"))),
+    }
+    monkeypatch.setattr(_snapshot, "_accelerated", lambda shards: True)
+    monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards: True)
+    monkeypatch.setattr(_snapshot, "device_shares", lambda blocks: pytest.fail("not staged"))
+    monkeypatch.setattr(_snapshot_stage, "_COMPILED", {})
+    monkeypatch.setattr(_snapshot_stage, "CHUNK_BYTES", 3 * 64 * 4)  # w's shards leave in 3 + 3 + 2 rows
+    writer = _snapshot.SnapshotWriter(tmp_path / "snap")
+    writer.prepare(states)
+    writer._staging._thread.join()
+    assert len(_snapshot_stage._COMPILED) == 8  # one program per device, compiled ahead
+    again = _snapshot.SnapshotWriter(tmp_path / "snap")
+    again.prepare(states)
+    assert again._staging._thread is None  # a later train() call's writer finds them
+    assert writer.write(3, states)
+    staged = writer._current.staged
+    assert staged is not None and len(staged.chunks) == 8 + 1 + 8
+    shards = _snapshot_file.own_shards(states)
+    w = [chunks for chunks, (path, _, _, _) in zip(staged.chunks, shards, strict=True) if path == "w"]
+    assert [[at for at, _ in chunks] for chunks in w] == [[0, 3 * 256, 6 * 256]] * 8
+    for chunks, (_, _, data, _) in zip(staged.chunks, shards, strict=True):
+        assert all(c.unsafe_buffer_pointer() != data.unsafe_buffer_pointer() for _, c in chunks)  # copies
+    writer.wait()
+    header, pieces = _snapshot_file.unpack(np.fromfile(writer.folder / "step-3" / "own.bin", np.uint8))
+    sums = {}
+    for p in header["pieces"]:
+        sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
+    assert {k: f"{v:08x}" for k, v in sums.items()} == tree_fingerprints(states)
+    whole = assemble(pieces, {p["path"]: p["shape"] for p in header["pieces"]})
+    for path, value in states.items():
+        np.testing.assert_array_equal(whole[path], np.asarray(value))
+    writer.close(remove=True)
+
+
+def test_staging_needs_room_on_every_device():
+    """The CPU keeps no allocator statistics: no staging there; a device whose free memory cannot hold the
+    copies is not staged either (the snapshot copies from the live buffers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_shard._checkpoint import _snapshot_stage
+    from nnx_shard._checkpoint._snapshot_file import own_shards
+
+    shards = own_shards({"w": jnp.ones((256, 256))})
+    assert not _snapshot_stage.has_room(shards)
+
+    class Device:
+        platform = "gpu"
+
+        def __init__(self, free):
+            self.free = free
+
+        def memory_stats(self):
+            return {"bytes_limit": self.free + 100, "bytes_in_use": 100}
+
+    class Data:
+        nbytes = 2**20
+
+        def __init__(self, device):
+            self.device = device
+
+        def devices(self):
+            return {self.device}
+
+    roomy, tight = Device(2**22), Device(2**20)
+    assert _snapshot_stage.has_room([("w", [[0, 1]], Data(roomy), (1,))])
+    both = [("w", [[0, 1]], Data(roomy), (1,)), ("v", [[0, 1]], Data(tight), (1,))]
+    assert not _snapshot_stage.has_room(both)
+    assert jax.devices()[0].platform == "cpu"

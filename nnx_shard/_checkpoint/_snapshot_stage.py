@@ -1,0 +1,195 @@
+"""A snapshot's first move on GPUs and TPUs: each device copies its own shards within its own memory and sums
+each piece's fingerprint share, in one program per device.
+
+The step after a snapshot donates the live buffers. Were the copy to the host
+read them, that step would wait for the whole transfer (2 GiB at PCIe speed is
+tens of milliseconds). A copy in the device's memory is one pass at its
+bandwidth (2 GiB read and written: about 1.4 ms at an H100's 3 TB/s), queued
+like a step, and is never donated: its transfer to the host's pinned memory
+then runs beside the steps, in chunks (:meth:`Staged.write_into`), and the
+shares (:func:`block_share`) are ready with it. On an H100 the step's path went
+from 22.8 ms (a transfer and a share program per shard) to 7.2 ms for 2 GiB in
+70 shards.
+
+Staging needs room for the copies: where a device's allocator says it lacks it
+(``memory_stats()``), or keeps no statistics, :meth:`Staging.stage` returns None
+and the snapshot copies from the live buffers, as on CPUs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_shard._base import cached
+from nnx_shard._checkpoint._fingerprint_shares import block_base, block_share
+from nnx_shard._checkpoint._snapshot_file import HEADER, host_memory
+
+logger = logging.getLogger("nnx_shard")
+Shard = tuple[str, list[list[int]], Any, tuple[int, ...]]  # as _snapshot_file's: path, index, data, shape
+# The copies may take this share of a device's free memory, at most.
+HEADROOM = 0.8
+# A shard leaves its device in chunks of whole rows of at most this many bytes (or one row), two at a time.
+CHUNK_BYTES = 2**25
+# Each device's program for a layout, compiled ahead (AOT executables are not in jit's cache): kept for the
+# process, as a jit's are, so that each ``train()`` call's writer finds them.
+_COMPILED: dict[Any, Any] = {}
+
+
+@cached(maxsize=16)
+def _program(blocks: tuple[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]], ...]) -> Any:
+    """``(shards) -> (chunks, shares)`` for one device's shards, each given as (global shape, base, row
+    ranges): each shard's copy in chunks of whole rows (contiguous bytes of it), and each shard's share."""
+
+    def stage(shards: list[jax.Array]) -> tuple[list[list[jax.Array]], jax.Array]:
+        # new buffers (XLA copies a parameter it returns, and a slice)
+        chunks = [
+            [jnp.copy(x) if len(rows) == 1 else x[a:b] for a, b in rows]
+            for x, (_, _, rows) in zip(shards, blocks, strict=True)
+        ]
+        shares = [
+            block_share(x, jnp.uint32(base), shape)
+            for x, (shape, base, _) in zip(shards, blocks, strict=True)
+        ]
+        return chunks, jnp.stack(shares)
+
+    return jax.jit(stage)
+
+
+def _rows(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, int], ...]:
+    """Row ranges of a shard of ``shape``, each at most ``CHUNK_BYTES`` (or one row)."""
+    if len(shape) == 0:
+        return ((0, 1),)
+    row = max(1, math.prod(shape[1:]) * itemsize)
+    per = max(1, CHUNK_BYTES // row)
+    return tuple((a, min(a + per, shape[0])) for a in range(0, max(shape[0], 1), per))
+
+
+def _device(data: jax.Array) -> Any:
+    return next(iter(data.devices()))
+
+
+def _groups(shards: Sequence[Shard]) -> dict[Any, list[int]]:
+    """The shards' positions, by device."""
+    out: dict[Any, list[int]] = {}
+    for k, (_, _, data, _) in enumerate(shards):
+        out.setdefault(_device(data), []).append(k)
+    return out
+
+
+def _key(shards: Sequence[Shard], members: Sequence[int]) -> tuple[Any, ...]:
+    out = []
+    for k in members:
+        _, index, data, shape = shards[k]
+        base = block_base([a for a, _ in index], shape, data.dtype)
+        out.append((tuple(shape), base, _rows(tuple(data.shape), data.dtype.itemsize)))
+    return tuple(out)
+
+
+def has_room(shards: Sequence[Shard]) -> bool:
+    """Whether every device's allocator has room for copies of its shards (False where it keeps no
+    statistics: the CPU)."""
+    for device, members in _groups(shards).items():
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            return False
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        if sum(int(shards[k][2].nbytes) for k in members) > HEADROOM * free:
+            return False
+    return True
+
+
+@dataclasses.dataclass
+class Staged:
+    """A snapshot's copies: each shard's chunks (with their byte offsets in it), in the shards' order, and
+    each device's shares with the positions of the shards they are of."""
+
+    chunks: list[list[tuple[int, jax.Array]]]
+    shares: list[tuple[jax.Array, list[int]]]
+
+    def write_into(self, buf: np.ndarray, pieces: Sequence[dict[str, Any]]) -> None:
+        """Moves the chunks to the host into their places in ``buf``, two in flight at a time (in the
+        background). A step's own small reads from its devices (its counters, its metrics) queue behind
+        the transfers in flight: two chunks, not the whole snapshot."""
+        queue = collections.deque(
+            (pieces[k]["offset"] + at, chunk) for k, chunks in enumerate(self.chunks) for at, chunk in chunks
+        )
+        self.chunks = []  # a device chunk is freed once its bytes have left
+        flight: collections.deque[tuple[int, Any]] = collections.deque()
+        while queue:
+            offset, chunk = queue.popleft()
+            flight.append((offset, host_memory(chunk)))
+            del chunk
+            if len(flight) == 2:
+                _land(buf, *flight.popleft())
+        while flight:
+            _land(buf, *flight.popleft())
+
+    def share_values(self) -> list[int]:
+        """Each shard's fingerprint share (waits for the devices)."""
+        out: dict[int, int] = {}
+        for values, members in self.shares:
+            for k, value in zip(members, np.asarray(values), strict=True):
+                out[k] = int(value)
+        return [out[k] for k in range(len(out))]
+
+
+def _land(buf: np.ndarray, offset: int, host: Any) -> None:
+    """Copies a chunk on its way to the host (waits for it) to ``offset`` in the file's shards."""
+    raw = np.asarray(host).reshape(-1).view(np.uint8)
+    buf[HEADER + offset : HEADER + offset + raw.size] = raw
+
+
+class Staging:
+    """Stages snapshots (:meth:`stage`); :meth:`prepare` compiles the programs ahead, in the background."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._told = False  # that a device lacked the room (once)
+
+    def prepare(self, shards: Sequence[Shard]) -> None:
+        """Compiles each device's program for ``shards``' layout in a thread (XLA lets go of the GIL)."""
+        work = [(device, _key(shards, m), [shards[k][2] for k in m]) for device, m in _groups(shards).items()]
+        work = [w for w in work if (w[0], w[1]) not in _COMPILED]
+        if not work:
+            return
+
+        def compile_all() -> None:
+            for device, key, datas in work:
+                _COMPILED[(device, key)] = _program(key).lower(datas).compile()
+
+        self._thread = threading.Thread(target=compile_all, daemon=True, name="nnx_shard-snapshot-compile")
+        self._thread.start()
+
+    def stage(self, shards: Sequence[Shard]) -> Staged | None:
+        """Queues each device's copies and shares; None where a device lacks room for them."""
+        if not shards:
+            return None
+        if not has_room(shards):
+            if not self._told:
+                self._told = True
+                logger.info("snapshots copy from the live buffers: a device lacks room for their copies")
+            return None
+        if self._thread is not None:  # the programs compiled ahead (long done by the first snapshot)
+            self._thread.join()
+            self._thread = None
+        chunks: list[Any] = [None] * len(shards)
+        shares = []
+        for device, members in _groups(shards).items():
+            key = _key(shards, members)
+            program = _COMPILED.get((device, key)) or _program(key)
+            out, values = program([shards[k][2] for k in members])
+            for k, pieces, (_, _, rows) in zip(members, out, key, strict=True):
+                row_bytes = shards[k][2].nbytes // max(shards[k][2].shape[0], 1) if shards[k][2].ndim else 0
+                chunks[k] = [(a * row_bytes, c) for (a, _), c in zip(rows, pieces, strict=True)]
+            shares.append((values, members))
+        return Staged(chunks, shares)
