@@ -220,7 +220,9 @@ def part_step(s: dict, work: Path) -> dict:
         s["width"], s["depth"], s["rows"], mesh=f"fsdp:{n}", workdir=str(work / "step")
     )
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    began = time.perf_counter()
     report = trainer.compile_report(jax.devices(), abstract)  # on abstract state: allocates nothing
+    compile_s = time.perf_counter() - began  # the train step's lowering and compile (item 1)
     trainer.init()
     before = allocator()
     trainer.train(lambda step: batch, steps=3)
@@ -247,6 +249,7 @@ def part_step(s: dict, work: Path) -> dict:
         "hand_jit_with_grad_norm_and_select_ms": adds["norm,select"],  # the other way to guard
         "max_param_diff_vs_hand": diff,
         "compile_report": {k: getattr(report, k) for k in REPORTED},
+        "step_compile_s": round(compile_s, 3),  # compile_report: the step lowered and compiled, once
     }
     if during is not None:
         result["memory_stats_before_steps"] = before
@@ -312,6 +315,30 @@ def part_save(s: dict, work: Path) -> dict:
     }
 
 
+class _Said:
+    """The nnx_shard logger's messages while it is installed (where a verified read's time goes)."""
+
+    def __enter__(self):
+        import logging
+
+        self.messages: list[str] = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda record: self.messages.append(record.getMessage())
+        self.logger, self.handler = logging.getLogger("nnx_shard"), handler
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+    def seconds(self, start: str) -> list[float]:
+        """The seconds ending each message that starts with ``start`` ("... in 0.123 s")."""
+        return [float(m.rsplit(" in ", 1)[1].split()[0]) for m in self.messages if m.startswith(start)]
+
+
 def part_restore(s: dict, work: Path, variant: str) -> dict:
     import jax
     import orbax.checkpoint as ocp
@@ -323,29 +350,33 @@ def part_restore(s: dict, work: Path, variant: str) -> dict:
     abstract = nnx.eval_shape(_stack(s))
     shardings = ns.infer_sharding(abstract, STRATEGY, mesh)
     times = []
-    for _ in range(3):  # cold (the first in this process), then warm twice
-        t = time.perf_counter()
-        if variant.startswith("restore_nnx_shard"):
-            hooks = ns.ShardingHooks(STRATEGY, mesh)
-            hooks.adopt(abstract)  # nothing allocated before the read
-            verify = not variant.endswith("unverified")
-            report = str(hooks.restore_and_reshard(ns.Checkpointer(str(work / "ckpt"), verify=verify)))
-            states = hooks.states()
-        else:  # plain Orbax into the same shardings, the target built by hand
-            report = ""
-            target = ns.placement.abstract_target({k: nnx.state(v) for k, v in abstract.items()}, shardings)
-            restore = ocp.args.PyTreeRestore(
-                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
-            )
-            with ocp.CheckpointManager(str(work / "ckpt")) as mgr:
-                states = mgr.restore(1, args=ocp.args.Composite(state=restore))["state"]
-        jax.block_until_ready(states)
-        times.append(time.perf_counter() - t)
-        kernel = states["model"]["layers"][0]["kernel"]
-        kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
-        value = fingerprint(kernel)
-        del states, kernel
+    with _Said() as said:
+        for _ in range(3):  # cold (the first in this process), then warm twice
+            t = time.perf_counter()
+            if variant.startswith("restore_nnx_shard"):
+                hooks = ns.ShardingHooks(STRATEGY, mesh)
+                hooks.adopt(abstract)  # nothing allocated before the read
+                verify = not variant.endswith("unverified")
+                report = str(hooks.restore_and_reshard(ns.Checkpointer(str(work / "ckpt"), verify=verify)))
+                states = hooks.states()
+            else:  # plain Orbax into the same shardings, the target built by hand
+                report = ""
+                wanted = {k: nnx.state(v) for k, v in abstract.items()}
+                target = ns.placement.abstract_target(wanted, shardings)
+                restore = ocp.args.PyTreeRestore(
+                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                )
+                with ocp.CheckpointManager(str(work / "ckpt")) as mgr:
+                    states = mgr.restore(1, args=ocp.args.Composite(state=restore))["state"]
+            jax.block_until_ready(states)
+            times.append(time.perf_counter() - t)
+            kernel = states["model"]["layers"][0]["kernel"]
+            kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
+            value = fingerprint(kernel)
+            del states, kernel
     return {
+        "verify_s": said.seconds("verified "),  # the fingerprints after each read (cold, warm, warm)
+        "compile_ahead_s": said.seconds("compiled "),  # in a thread while Orbax read (the cold read)
         "seconds": round(times[0], 3),
         "seconds_warm": round(min(times[1:]), 3),
         "seconds_all": [round(t, 3) for t in times],
@@ -573,6 +604,7 @@ def summarize(parts: dict) -> dict:
     ok = lambda k: k in parts and "error" not in parts[k]
     if ok("step"):
         out["trainer_over_hand_jit"] = parts["step"]["ratio"]
+        out["step_compile_s"] = parts["step"].get("step_compile_s")
         out["allocator_peak_over_compile_report"] = parts["step"].get("peak_over_compile_report")
     if ok("vit"):
         out["vit_trainer_over_hand_jit"] = parts["vit"]["ratio_trainer_time_over_hand"]

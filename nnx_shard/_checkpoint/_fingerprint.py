@@ -32,8 +32,10 @@ A block's share of the sum, on the host or on its device, is in ``_fingerprint_s
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +55,7 @@ from nnx_shard._checkpoint._fingerprint_shares import (
 )
 from nnx_shard._cluster import gather_json
 
+logger = logging.getLogger("nnx_shard")
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
 SMALL_BYTES = 2**20
 CHUNK = 64
@@ -240,10 +243,13 @@ def compile_ahead(targets: Sequence[Any]) -> threading.Thread | None:
             todo[_signature(x)] = x
 
     def run() -> None:
+        start = time.perf_counter()
         for (shape, dtype, sharding), x in todo.items():
             compiled = _shard_program(shape, dtype, sharding, False).lower(x).compile()
             with _AHEAD_LOCK:
                 _AHEAD[(shape, dtype, sharding)] = compiled
+        seconds = time.perf_counter() - start
+        logger.info("compiled %d fingerprint programs ahead in %.3f s", len(todo), seconds)
 
     if not todo:
         return None

@@ -158,7 +158,12 @@ class Staging:
 
     def prepare(self, shards: Sequence[Shard]) -> None:
         """Compiles each device's program for ``shards``' layout in a thread (XLA lets go of the GIL)."""
-        work = [(device, _key(shards, m), [shards[k][2] for k in m]) for device, m in _groups(shards).items()]
+
+        def abstract(data: jax.Array) -> jax.ShapeDtypeStruct:  # holds no buffer of the live state
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+
+        groups = _groups(shards).items()
+        work = [(device, _key(shards, m), [abstract(shards[k][2]) for k in m]) for device, m in groups]
         work = [w for w in work if (w[0], w[1]) not in _COMPILED]
         if not work:
             return

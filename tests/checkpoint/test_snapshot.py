@@ -211,7 +211,6 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
 def test_staging_needs_room_on_every_device():
     """The CPU keeps no allocator statistics: no staging there; a device whose free memory cannot hold the
     copies is not staged either (the snapshot copies from the live buffers)."""
-    import jax
     import jax.numpy as jnp
 
     from nnx_shard._checkpoint import _snapshot_stage
@@ -242,4 +241,3 @@ def test_staging_needs_room_on_every_device():
     assert _snapshot_stage.has_room([("w", [[0, 1]], Data(roomy), (1,))])
     both = [("w", [[0, 1]], Data(roomy), (1,)), ("v", [[0, 1]], Data(tight), (1,))]
     assert not _snapshot_stage.has_room(both)
-    assert jax.devices()[0].platform == "cpu"
