@@ -46,14 +46,14 @@ _COMPILED: dict[Any, Any] = {}
 
 
 @cached(maxsize=16)
-def _program(blocks: tuple[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]], ...]) -> Any:
+def _program(blocks: tuple[tuple[tuple[int, ...], int, tuple[range, ...]], ...]) -> Any:
     """``(shards) -> (chunks, shares)`` for one device's shards, each given as (global shape, base, row
     ranges): each shard's copy in chunks of whole rows (contiguous bytes of it), and each shard's share."""
 
     def stage(shards: list[jax.Array]) -> tuple[list[list[jax.Array]], jax.Array]:
         # new buffers (XLA copies a parameter it returns, and a slice)
         chunks = [
-            [jnp.copy(x) if len(rows) == 1 else x[a:b] for a, b in rows]
+            [jnp.copy(x) if len(rows) == 1 else x[r.start : r.stop] for r in rows]
             for x, (_, _, rows) in zip(shards, blocks, strict=True)
         ]
         shares = [
@@ -65,13 +65,17 @@ def _program(blocks: tuple[tuple[tuple[int, ...], int, tuple[tuple[int, int], ..
     return jax.jit(stage)
 
 
-def _rows(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, int], ...]:
-    """Row ranges of a shard of ``shape``, each at most ``CHUNK_BYTES`` (or one row)."""
+def _rows(shape: tuple[int, ...], itemsize: int) -> tuple[range, ...]:
+    """Row ranges of a shard of ``shape``, each at most ``CHUNK_BYTES`` (or one row).
+
+    >>> _rows((10, 2**22), 4)  # 16 MiB rows: two to a chunk
+    (range(0, 2), range(2, 4), range(4, 6), range(6, 8), range(8, 10))
+    """
     if len(shape) == 0:
-        return ((0, 1),)
+        return (range(0, 1),)
     row = max(1, math.prod(shape[1:]) * itemsize)
     per = max(1, CHUNK_BYTES // row)
-    return tuple((a, min(a + per, shape[0])) for a in range(0, max(shape[0], 1), per))
+    return tuple(range(a, min(a + per, shape[0])) for a in range(0, max(shape[0], 1), per))
 
 
 def _device(data: jax.Array) -> Any:
@@ -195,6 +199,6 @@ class Staging:
             out, values = program([shards[k][2] for k in members])
             for k, pieces, (_, _, rows) in zip(members, out, key, strict=True):
                 row_bytes = shards[k][2].nbytes // max(shards[k][2].shape[0], 1) if shards[k][2].ndim else 0
-                chunks[k] = [(a * row_bytes, c) for (a, _), c in zip(rows, pieces, strict=True)]
+                chunks[k] = [(r.start * row_bytes, c) for r, c in zip(rows, pieces, strict=True)]
             shares.append((values, members))
         return Staged(chunks, shares)

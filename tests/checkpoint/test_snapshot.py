@@ -188,14 +188,21 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     again = _snapshot.SnapshotWriter(tmp_path / "snap")
     again.prepare(states)
     assert again._staging._thread is None  # a later train() call's writer finds them
+    made = []  # what each staging queued, read before the background sends (and drops) the chunks
+
+    def stage(self, shards, real=_snapshot_stage.Staging.stage):
+        staged = real(self, shards)
+        made.append([[(at, c.unsafe_buffer_pointer()) for at, c in chunks] for chunks in staged.chunks])
+        return staged
+
+    monkeypatch.setattr(_snapshot_stage.Staging, "stage", stage)
     assert writer.write(3, states)
-    staged = writer._current.staged
-    assert staged is not None and len(staged.chunks) == 8 + 1 + 8
     shards = _snapshot_file.own_shards(states)
-    w = [chunks for chunks, (path, _, _, _) in zip(staged.chunks, shards, strict=True) if path == "w"]
+    assert len(made) == 1 and len(made[0]) == 8 + 1 + 8
+    w = [chunks for chunks, (path, _, _, _) in zip(made[0], shards, strict=True) if path == "w"]
     assert [[at for at, _ in chunks] for chunks in w] == [[0, 3 * 256, 6 * 256]] * 8
-    for chunks, (_, _, data, _) in zip(staged.chunks, shards, strict=True):
-        assert all(c.unsafe_buffer_pointer() != data.unsafe_buffer_pointer() for _, c in chunks)  # copies
+    for chunks, (_, _, data, _) in zip(made[0], shards, strict=True):
+        assert all(pointer != data.unsafe_buffer_pointer() for _, pointer in chunks)  # copies
     writer.wait()
     header, pieces = _snapshot_file.unpack(np.fromfile(writer.folder / "step-3" / "own.bin", np.uint8))
     sums = {}
