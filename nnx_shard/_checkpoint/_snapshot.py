@@ -350,7 +350,7 @@ class SnapshotWriter:
                 f.truncate(snapshot.size + len(header))
             if snapshot.exchanged:
                 self._publish(snapshot, None)
-        except OSError as e:
+        except (OSError, jax.errors.JaxRuntimeError) as e:  # a full disk; no host memory for a transfer
             snapshot.error = str(e)
 
     def _exchange(self, snapshot: _Snapshot) -> None:

@@ -248,3 +248,39 @@ def test_staging_needs_room_on_every_device():
     assert _snapshot_stage.has_room([("w", [[0, 1]], Data(roomy), (1,))])
     both = [("w", [[0, 1]], Data(roomy), (1,)), ("v", [[0, 1]], Data(tight), (1,))]
     assert not _snapshot_stage.has_room(both)
+
+
+def test_a_transfer_that_fails_in_the_background_loses_that_snapshot_only(tmp_path, monkeypatch, caplog):
+    """The runtime refusing a chunk's transfer to the host (no pinned memory left, say) is logged when the
+    writer next waits; that snapshot is not published, and the next one is written whole."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnx_shard._checkpoint import _snapshot, _snapshot_file, _snapshot_stage, tree_fingerprints
+    from tests.helpers import mesh_of
+
+    states = {
+        "w": jax.device_put(jnp.arange(4096.0).reshape(64, 64), NamedSharding(mesh_of("8"), PartitionSpec()))
+    }
+    monkeypatch.setattr(_snapshot, "_accelerated", lambda shards: True)
+    monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards: True)
+    real = _snapshot_stage.host_memory
+
+    def refuse(chunk):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no pinned host memory for a transfer")
+
+    monkeypatch.setattr(_snapshot_stage, "host_memory", refuse)
+    writer = _snapshot.SnapshotWriter(tmp_path / "snap")
+    assert writer.write(1, states)
+    with caplog.at_level("WARNING", logger="nnx_shard"):
+        writer.wait()
+    assert "the snapshot of step 1 could not be written: RESOURCE_EXHAUSTED" in caplog.text
+    assert not (writer.folder / "step-1").exists()
+    monkeypatch.setattr(_snapshot_stage, "host_memory", real)
+    assert writer.write(2, states)
+    writer.wait()
+    header, _ = _snapshot_file.unpack(np.fromfile(writer.folder / "step-2" / "own.bin", np.uint8))
+    assert header["step"] == 2
+    assert {p["path"]: f"{p['share']:08x}" for p in header["pieces"]} == tree_fingerprints(states)
+    writer.close(remove=True)
