@@ -17,7 +17,7 @@ from nnx_shard._base._blocks import (
     relative,
 )
 from nnx_shard._base._bytes import format_bytes, format_table, parse_bytes
-from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, cached, clear_caches
+from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, CompiledAhead, cached, clear_caches
 from nnx_shard._base._jax_private import abstract_construction, distributed_client, threefry_kernel
 from nnx_shard._base._mesh import (
     DEFAULT_AXIS_DIMS,
@@ -81,6 +81,7 @@ __all__ = [
     "WHOLE",
     "Block",
     "CompileClock",
+    "CompiledAhead",
     "Kind",
     "Leaf",
     "Spec",

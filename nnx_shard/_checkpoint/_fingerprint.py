@@ -32,10 +32,8 @@ A block's share of the sum, on the host or on its device, is in ``_fingerprint_s
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import cached, entry_axes, holding_processes, in_threads, is_key
+from nnx_shard._base import CompiledAhead, cached, entry_axes, holding_processes, in_threads, is_key
 from nnx_shard._checkpoint._fingerprint_shares import (
     as_words,
     block_sum,
@@ -55,7 +53,6 @@ from nnx_shard._checkpoint._fingerprint_shares import (
 )
 from nnx_shard._cluster import gather_json
 
-logger = logging.getLogger("nnx_shard")
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
 SMALL_BYTES = 2**20
 CHUNK = 64
@@ -221,48 +218,29 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
     )
 
 
-# Programs of large arrays' signatures, compiled ahead by :func:`compile_ahead` (a jit call would compile
-# again: AOT executables are not in jit's cache).
-_AHEAD: dict[Any, Any] = {}
-_AHEAD_LOCK = threading.Lock()
+# The fused programs of large arrays' signatures, compiled ahead of a verification by :func:`compile_ahead`.
+_AHEAD = CompiledAhead("fingerprint")
 
 
 def compile_ahead(targets: Sequence[Any]) -> threading.Thread | None:
     """Compiles, in a thread, the fused programs that will fingerprint arrays like ``targets`` (arrays or
     ``jax.ShapeDtypeStruct`` with shardings) on GPUs and TPUs, so that a fingerprint after a read that
-    outlasts the compile costs no compile (XLA lets go of the GIL while it compiles). Returns the thread,
-    or None when there is nothing to compile (CPU devices, small arrays, programs already there).
+    outlasts the compile costs no compile. Returns the thread, or None when there is nothing to compile
+    (CPU devices, small arrays, programs already there).
     """
-    todo = {}
+    work = {}
     for x in targets:
         sharding = getattr(x, "sharding", None)
         if not isinstance(sharding, NamedSharding) or _platform(x) == "cpu" or is_key(x):
             continue
-        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-        if nbytes > SMALL_BYTES and _by_shard(x) and _signature(x) not in _AHEAD:
-            todo[_signature(x)] = x
-
-    def run() -> None:
-        start = time.perf_counter()
-        for (shape, dtype, sharding), x in todo.items():
-            compiled = _shard_program(shape, dtype, sharding, False).lower(x).compile()
-            with _AHEAD_LOCK:
-                _AHEAD[(shape, dtype, sharding)] = compiled
-        seconds = time.perf_counter() - start
-        logger.info("compiled %d fingerprint programs ahead in %.3f s", len(todo), seconds)
-
-    if not todo:
-        return None
-    thread = threading.Thread(target=run, daemon=True, name="nnx_shard-fingerprint-compile")
-    thread.start()
-    return thread
+        if math.prod(x.shape) * jnp.dtype(x.dtype).itemsize > SMALL_BYTES and _by_shard(x):
+            work[_signature(x)] = (_shard_program(x.shape, x.dtype, sharding, False), (x,))
+    return _AHEAD.start(work)
 
 
 def _fused(x: jax.Array) -> Any:
     """The fused program for ``x``'s signature: compiled ahead, or the jitted one."""
-    with _AHEAD_LOCK:
-        compiled = _AHEAD.get(_signature(x))
-    return compiled or _shard_program(x.shape, x.dtype, x.sharding, False)
+    return _AHEAD.get(_signature(x)) or _shard_program(x.shape, x.dtype, x.sharding, False)
 
 
 def _host(sums: jax.Array) -> np.ndarray:
@@ -301,23 +279,22 @@ def fingerprints(arrays: Sequence[Any]) -> list[str]:
 
 def _fingerprints(arrays: list[jax.Array]) -> list[str]:
     out = [""] * len(arrays)
+    where = ["host" if _on_host(x) else "in_place" if _in_place(x) else "program" for x in arrays]
+    small = [i for i, w in enumerate(where) if w == "host"]
+    here = [i for i, w in enumerate(where) if w == "in_place"]
     groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(arrays):
-        if not _on_host(x) and not _in_place(x):
-            groups.setdefault(_signature(x), []).append(i)
-    fused = {}  # GPUs, TPUs: every program queued first, each read after (one wait, not one per array)
-    for members in groups.values():
-        if route(arrays[members[0]], len(members)) == "fused":
-            fused.update({i: _fused(arrays[i])(arrays[i]) for i in members})
-    small = [i for i, x in enumerate(arrays) if _on_host(x)]
+    for i in (i for i, w in enumerate(where) if w == "program"):
+        groups.setdefault(_signature(arrays[i]), []).append(i)
+    routes = {sig: route(arrays[members[0]], len(members)) for sig, members in groups.items()}
+    # GPUs, TPUs: every fused program queued first, each read after (one wait, not one per array)
+    queued = [i for sig, members in groups.items() if routes[sig] == "fused" for i in members]
+    fused = {i: _fused(arrays[i])(arrays[i]) for i in queued}
     for i, value in zip(small, _host_fingerprints([arrays[i] for i in small]), strict=True):
         out[i] = value
-    here = [i for i, x in enumerate(arrays) if not out[i] and _in_place(x)]
     for i, value in zip(here, _in_place_fingerprints([arrays[i] for i in here]), strict=True):
         out[i] = value
-    for members in groups.values():
-        first = arrays[members[0]]
-        how = route(first, len(members))
+    for sig, members in groups.items():
+        first, how = arrays[members[0]], routes[sig]
         step = CHUNK if how == "batched" else 1
         for k in range(0, len(members), step):
             chunk = members[k : k + step]

@@ -30,19 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_shard._base import cached
+from nnx_shard._base import CompiledAhead, cached
 from nnx_shard._checkpoint._fingerprint_shares import block_base, block_share
-from nnx_shard._checkpoint._snapshot_file import HEADER, host_memory
+from nnx_shard._checkpoint._snapshot_file import HEADER, Shard, host_memory
 
 logger = logging.getLogger("nnx_shard")
-Shard = tuple[str, list[list[int]], Any, tuple[int, ...]]  # as _snapshot_file's: path, index, data, shape
 # The copies may take this share of a device's free memory, at most.
 HEADROOM = 0.8
 # A shard leaves its device in chunks of whole rows of at most this many bytes (or one row), two at a time.
 CHUNK_BYTES = 2**25
-# Each device's program for a layout, compiled ahead (AOT executables are not in jit's cache): kept for the
-# process, as a jit's are, so that each ``train()`` call's writer finds them.
-_COMPILED: dict[Any, Any] = {}
+# Each device's program for a layout, compiled ahead: kept for the process, as a jit's are, so that each
+# ``train()`` call's writer finds them.
+_COMPILED = CompiledAhead("snapshot")
 
 
 @cached(maxsize=16)
@@ -73,9 +72,13 @@ def _rows(shape: tuple[int, ...], itemsize: int) -> tuple[range, ...]:
     """
     if len(shape) == 0:
         return (range(0, 1),)
-    row = max(1, math.prod(shape[1:]) * itemsize)
-    per = max(1, CHUNK_BYTES // row)
+    per = max(1, CHUNK_BYTES // max(1, _row_bytes(shape, itemsize)))
     return tuple(range(a, min(a + per, shape[0])) for a in range(0, max(shape[0], 1), per))
+
+
+def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of one row (along the first dimension) of a C-order array of ``shape``; 0 for a scalar."""
+    return math.prod(shape[1:]) * itemsize if shape else 0
 
 
 def _device(data: jax.Array) -> Any:
@@ -161,23 +164,16 @@ class Staging:
         self._told = False  # that a device lacked the room (once)
 
     def prepare(self, shards: Sequence[Shard]) -> None:
-        """Compiles each device's program for ``shards``' layout in a thread (XLA lets go of the GIL)."""
+        """Compiles each device's program for ``shards``' layout in a thread (:class:`CompiledAhead`)."""
 
         def abstract(data: jax.Array) -> jax.ShapeDtypeStruct:  # holds no buffer of the live state
             return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
 
-        groups = _groups(shards).items()
-        work = [(device, _key(shards, m), [abstract(shards[k][2]) for k in m]) for device, m in groups]
-        work = [w for w in work if (w[0], w[1]) not in _COMPILED]
-        if not work:
-            return
-
-        def compile_all() -> None:
-            for device, key, datas in work:
-                _COMPILED[(device, key)] = _program(key).lower(datas).compile()
-
-        self._thread = threading.Thread(target=compile_all, daemon=True, name="nnx_shard-snapshot-compile")
-        self._thread.start()
+        work = {}
+        for device, members in _groups(shards).items():
+            key = _key(shards, members)
+            work[(device, key)] = (_program(key), ([abstract(shards[k][2]) for k in members],))
+        self._thread = _COMPILED.start(work)
 
     def stage(self, shards: Sequence[Shard]) -> Staged | None:
         """Queues each device's copies and shares; None where a device lacks room for them."""
@@ -198,7 +194,8 @@ class Staging:
             program = _COMPILED.get((device, key)) or _program(key)
             out, values = program([shards[k][2] for k in members])
             for k, pieces, (_, _, rows) in zip(members, out, key, strict=True):
-                row_bytes = shards[k][2].nbytes // max(shards[k][2].shape[0], 1) if shards[k][2].ndim else 0
-                chunks[k] = [(r.start * row_bytes, c) for r, c in zip(rows, pieces, strict=True)]
+                data = shards[k][2]
+                row = _row_bytes(tuple(data.shape), data.dtype.itemsize)
+                chunks[k] = [(r.start * row, c) for r, c in zip(rows, pieces, strict=True)]
             shares.append((values, members))
         return Staged(chunks, shares)

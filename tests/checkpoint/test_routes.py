@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_shard as ns
-from nnx_shard._base import threefry_kernel
+from nnx_shard._base import CompiledAhead, threefry_kernel
 from nnx_shard._checkpoint import _fingerprint as fp
 from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint
 from nnx_shard._trainer._norm import global_norm, norm_route
@@ -108,7 +108,7 @@ def test_a_verified_read_compiles_its_fused_programs_ahead_and_uses_them(tmp_pat
 
     monkeypatch.setattr(fp, "IN_PLACE", False)
     monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
-    monkeypatch.setattr(fp, "_AHEAD", {})
+    monkeypatch.setattr(fp, "_AHEAD", CompiledAhead("fingerprint"))
     mesh = mesh_of("8")
     hooks = ns.ShardingHooks([(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")], mesh)
     hooks.on_init(lambda: {"model": nnx.Linear(512, 1024, rngs=nnx.Rngs(0))})

@@ -167,6 +167,7 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from nnx_shard._base import CompiledAhead
     from nnx_shard._checkpoint import _snapshot, _snapshot_file, _snapshot_stage, tree_fingerprints
     from tests.helpers import mesh_of
 
@@ -179,7 +180,7 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     monkeypatch.setattr(_snapshot, "_accelerated", lambda shards: True)
     monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards: True)
     monkeypatch.setattr(_snapshot, "device_shares", lambda blocks: pytest.fail("not staged"))
-    monkeypatch.setattr(_snapshot_stage, "_COMPILED", {})
+    monkeypatch.setattr(_snapshot_stage, "_COMPILED", CompiledAhead("snapshot"))
     monkeypatch.setattr(_snapshot_stage, "CHUNK_BYTES", 3 * 64 * 4)  # w's shards leave in 3 + 3 + 2 rows
     writer = _snapshot.SnapshotWriter(tmp_path / "snap")
     writer.prepare(states)
