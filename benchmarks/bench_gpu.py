@@ -10,7 +10,8 @@ Each part runs in a fresh process of this script, so each allocator peak is its 
   checkpoint (restore_and_reshard on the device);
 - ``vit``: ``bench_vit.py --real-devices``: the example's Trainer against a hand-written jit step;
 - ``step``: the MLP of ``bench_step.py`` (model + adamw + EMA, donated) at GPU sizes, the same
-  comparison, and the Trainer's ``compile_report`` peak against ``memory_stats`` while it trains;
+  comparison (per step of a ``train()`` call of ``steps`` steps, and the marginal step with the call's
+  fixed cost apart), and the Trainer's ``compile_report`` peak against ``memory_stats`` while it trains;
 - ``create_sharded`` / ``device_put``: a model + adamw + EMA stack created in its shardings, or built
   whole and then placed; seconds and the allocator's peak;
 - ``save``, then ``restore_nnx_shard`` / ``restore_nnx_shard_unverified`` / ``restore_orbax``:
@@ -213,7 +214,7 @@ def part_step(s: dict, work: Path) -> dict:
     import jax
     import jax.numpy as jnp
     from bench_step import quiet_trainer
-    from common import hand_written_step, interleaved_timing
+    from common import call_fixed_cost, hand_written_step, marginal_timing, max_abs_diff
 
     n = jax.device_count()
     trainer, batch = quiet_trainer(
@@ -230,8 +231,14 @@ def part_step(s: dict, work: Path) -> dict:
     during = allocator()  # before the hand-written step's copy of the state exists
     loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
     jitted, states = hand_written_step(trainer, batch, loss)
-    ours, theirs, diff = interleaved_timing(trainer, batch, jitted, states, s["steps"], s["rounds"])
-    del states
+    trainer.train(lambda step: batch, steps=1)  # compile both first: both then take the same steps
+    states, _ = jitted(states, batch)
+    n = s["steps"]
+    timing = marginal_timing(trainer, batch, jitted, states, n, s["rounds"])
+    diff = max_abs_diff(trainer.states["model"], timing["states"]["model"])
+    del states, timing["states"]
+    ours, theirs = timing["trainer_call"], timing["hand_call"]  # per step of an n-step train() call
+    fixed = call_fixed_cost(trainer, batch, 20)
     adds = {}  # the hand-written step with what the Trainer's adds, part by part: where its extra time goes
     for what in ("norm", "norm,cond", "norm,select"):
         step, states = hand_written_step(trainer, batch, loss, adds=what)
@@ -244,6 +251,12 @@ def part_step(s: dict, work: Path) -> dict:
         "trainer_step_ms": round(1e3 * ours, 3),
         "hand_jit_step_ms": round(1e3 * theirs, 3),
         "ratio": round(ours / theirs, 3),
+        # one more step inside a train() call, and the fixed work of a call (files, lock, final flush):
+        "trainer_step_marginal_ms": round(1e3 * timing["trainer_step"], 3),
+        "hand_jit_step_marginal_ms": round(1e3 * timing["hand_step"], 3),
+        "marginal_ratio": round(timing["trainer_step"] / timing["hand_step"], 3),
+        "train_call_fixed_ms": round(1e3 * fixed, 3),
+        "steps_per_call": [n, 3 * n],
         "hand_jit_with_grad_norm_ms": adds["norm"],
         "hand_jit_with_grad_norm_and_cond_ms": adds["norm,cond"],  # the Trainer's guard
         "hand_jit_with_grad_norm_and_select_ms": adds["norm,select"],  # the other way to guard
@@ -604,6 +617,8 @@ def summarize(parts: dict) -> dict:
     ok = lambda k: k in parts and "error" not in parts[k]
     if ok("step"):
         out["trainer_over_hand_jit"] = parts["step"]["ratio"]
+        out["trainer_over_hand_jit_marginal_step"] = parts["step"].get("marginal_ratio")
+        out["train_call_fixed_ms"] = parts["step"].get("train_call_fixed_ms")
         out["step_compile_s"] = parts["step"].get("step_compile_s")
         out["allocator_peak_over_compile_report"] = parts["step"].get("peak_over_compile_report")
     if ok("vit"):

@@ -141,6 +141,62 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
     return statistics.median(ours), statistics.median(theirs), diff
 
 
+def marginal_timing(trainer, batch, jitted, states, steps, rounds):
+    """The Trainer and the hand-written step: per step of a ``train()`` call of ``steps`` steps, and per step
+    more.
+
+    Alternating rounds of ``steps`` and ``3 * steps`` steps in one call each. ``"trainer_call"`` /
+    ``"hand_call"``: seconds per step of the short call, as a user who calls ``train(steps=n)`` sees it.
+    ``"trainer_step"`` / ``"hand_step"``: ``(T(3n) - T(n)) / 2n``, one more step inside a call, without the
+    call's fixed work (log files, lock, final flush). Medians; also the final hand-written ``"states"``.
+    """
+    import statistics
+    import time
+
+    import jax
+
+    def trainer_run(n):
+        t = time.perf_counter()
+        trainer.train(lambda s: batch, steps=n)
+        jax.block_until_ready(trainer.states)
+        return time.perf_counter() - t
+
+    ours, theirs = {"call": [], "step": []}, {"call": [], "step": []}
+    for _ in range(rounds):
+        short, long = trainer_run(steps), trainer_run(3 * steps)
+        ours["call"].append(short / steps)
+        ours["step"].append((long - short) / (2 * steps))
+        states, short = time_steps(jitted, states, batch, steps)  # seconds per step
+        states, long = time_steps(jitted, states, batch, 3 * steps)
+        theirs["call"].append(short)
+        theirs["step"].append((3 * long - short) / 2)
+    median = statistics.median
+    return {
+        "trainer_call": median(ours["call"]),
+        "hand_call": median(theirs["call"]),
+        "trainer_step": median(ours["step"]),
+        "hand_step": median(theirs["step"]),
+        "states": states,
+    }
+
+
+def call_fixed_cost(trainer, batch, pairs: int) -> float:
+    """Seconds a ``train()`` call costs beyond its steps: the median of ``2 T(1) - T(2)`` over ``pairs`` pairs
+    of calls of 1 and 2 steps (each call's steps waited for)."""
+    import statistics
+    import time
+
+    import jax
+
+    def run(n):
+        t = time.perf_counter()
+        trainer.train(lambda s: batch, steps=n)
+        jax.block_until_ready(trainer.states)
+        return time.perf_counter() - t
+
+    return statistics.median(2 * run(1) - run(2) for _ in range(pairs))
+
+
 def time_steps(step, states, batch, steps: int):
     """``steps`` calls of a jitted ``step(states, batch) -> (states, metrics)``: ``(states, seconds per
     step)``."""

@@ -254,7 +254,7 @@ class TrainingLoop:
             fields["recovery_s"] = round(before, 3)
             fields["goodput_since_failure"] = _share(overhead + before, wall + before)
         self.observer.event("train", wall, self.progress.step, **fields)
-        self.observer.close()
+        self.observer.finish()
 
     def _nonfinite_stop(self, fns: StepFunctions, run: StepLog, guard: Any, step: int) -> bool:
         """Ends the run when the counters after ``step`` say so (``config.on_nonfinite``); True ends the

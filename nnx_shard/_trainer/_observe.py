@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -181,13 +182,24 @@ class Observer:
                 except ImportError:
                     return None
                 self._writer = SummaryWriter(str(self.metrics_path.parent / "tensorboard"), flush_secs=10)
+                weakref.finalize(self, self._writer.close)  # kept open across train() calls: closed with us
         return self._writer or None
 
-    def close(self) -> None:
-        """Closes the bar and flushes TensorBoard (the next ``train()`` opens a new event file)."""
+    def finish(self) -> None:
+        """The end of a ``train()`` call: closes the bar and flushes TensorBoard's event file to disk.
+
+        The file stays open for the next call (one file per Trainer): opening and closing a writer costs
+        milliseconds a call, which a loop of short ``train()`` calls would pay each time.
+        """
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._writer:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Closes the bar and the event file (a later record opens a new one)."""
+        self.finish()
         if self._writer:
             self._writer.close()
         self._writer = None

@@ -219,24 +219,33 @@ def test_kill_during_async_save_keeps_the_previous_step(tmp_path):
     assert str(trainer.restore_and_reshard()).startswith("restored step 2, saved on 4 devices")
 
 
-def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
-    pytest.importorskip("tensorboardX", reason="install the test extras: pip install -e '.[test]'")
+def _tensorboard_losses(directory):
+    """The (step, loss) scalars of the one TensorBoard event file under ``directory``."""
     from tensorboardX.proto.event_pb2 import Event
 
-    trainer = RegressionTrainer({**config(str(tmp_path)), "async_save": False})
-    trainer.train(batch_for, steps=3)
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    lines = [r for r in records if "event" not in r]  # steps; events (compile, save, ...) are interleaved
-    assert [x["step"] for x in lines] == [1, 2, 3] and all("loss" in x and "mae" in x for x in lines)
-    (event_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")  # one per train() call
+    (event_file,) = directory.glob("events.out.tfevents.*")  # one per Trainer, kept open across train() calls
     data, losses = event_file.read_bytes(), []
     while data:  # TFRecord framing: length (8 bytes), crc (4), record, crc (4)
         n = int.from_bytes(data[:8], "little")
         event = Event.FromString(data[12 : 12 + n])
         data = data[16 + n :]
         losses += [(event.step, v.simple_value) for v in event.summary.value if v.tag == "loss"]
+    return losses
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboardX", reason="install the test extras: pip install -e '.[test]'")
+
+    trainer = RegressionTrainer({**config(str(tmp_path)), "async_save": False})
+    trainer.train(batch_for, steps=3)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "event" not in r]  # steps; events (compile, save, ...) are interleaved
+    assert [x["step"] for x in lines] == [1, 2, 3] and all("loss" in x and "mae" in x for x in lines)
+    losses = _tensorboard_losses(tmp_path / "tensorboard")  # on disk when train() returns
     assert [step for step, _ in losses] == [1, 2, 3]
     assert [v for _, v in losses] == pytest.approx([x["loss"] for x in lines], rel=1e-6)
+    trainer.train(batch_for, steps=2)  # the next call appends to the same file, flushed when it returns
+    assert [step for step, _ in _tensorboard_losses(tmp_path / "tensorboard")] == [1, 2, 3, 4, 5]
 
 
 def test_free_live_restore_frees_first_and_restores(reference):
