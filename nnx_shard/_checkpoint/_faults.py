@@ -25,6 +25,8 @@ from typing import Any
 
 from nnx_shard.errors import NnxShardError
 
+logger = logging.getLogger(__name__)
+
 # TensorStore errors carry an absl status code first: "OUT_OF_RANGE: Error reading ...".
 _STATUS = re.compile(
     r"^(DATA_LOSS|NOT_FOUND|OUT_OF_RANGE|FAILED_PRECONDITION|INVALID_ARGUMENT|UNKNOWN|INTERNAL|"
@@ -184,8 +186,45 @@ def quiet() -> Iterator[list[str]]:
                 traceback.clear_frames(e.__traceback__)
             gc.collect()
         sys.unraisablehook = previous
+        if depth == 0 and _QUIETING.failed:
+            _filter_abandoned_reads()
         for logger, level in saved:
             logger.setLevel(level)
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether ``unraisable`` is a TensorStore callback of a read that a failed restore abandoned: it came
+    back after Orbax had closed that read's event loop (``RuntimeError: Event loop is closed``, raised in
+    asyncio's ``_check_closed``, reported with no object)."""
+    value, tb = unraisable.exc_value, unraisable.exc_traceback
+    if unraisable.object is not None or not isinstance(value, RuntimeError) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return (
+        str(value) == "Event loop is closed"
+        and code.co_name == "_check_closed"
+        and "asyncio" in code.co_filename
+    )
+
+
+def _filter_abandoned_reads() -> None:
+    """After a failed read: from now on, the late callbacks of its abandoned reads (:func:`_abandoned_read`)
+    are logged at debug level instead of printed as tracebacks, whenever they come back (a read in flight
+    can finish after the error was raised, even at exit). Any other unraisable goes to the hook in place."""
+    current = sys.unraisablehook
+    if getattr(current, "_nnx_shard_filter", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if _abandoned_read(unraisable):
+            logger.debug("a read abandoned by a failed restore came back after its event loop closed")
+            return
+        current(unraisable)
+
+    hook._nnx_shard_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
