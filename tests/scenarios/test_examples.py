@@ -192,6 +192,10 @@ def check_gpu(result):
     assert summary["step_compile_s"] > 0
     verified = parts["restore_nnx_shard"]["verify_s"]  # the verification's seconds, read from the log
     assert len(verified) == 3 and all(v >= 0 for v in verified)
+    assert (
+        parts["restore_orbax"]["next_compile_s"] > 0 and summary["restore_and_next_compile_over_orbax_s"] > 0
+    )
+    assert len(parts["saves"]["fingerprint_s"]) == 6  # each of our saves fingerprinted, its seconds logged
     step = parts["step"]
     assert step["compile_report"]["peak_bytes"] >= step["compile_report"]["state_bytes"] > 0
     assert summary["trainer_over_hand_jit"] > 0 and summary["restore_over_orbax_s"] > 0
