@@ -64,8 +64,8 @@ PARTS = (  # the quick ones first
 )
 PART_TIMEOUT_S = 300
 QUICK = (
-    "step,create_sharded,device_put,save,restore_nnx_shard,restore_orbax,saves,init_bits,vit_init,"
-    "vit_init_inlined"
+    "step,create_sharded,device_put,save,restore_nnx_shard,restore_nnx_shard_unverified,restore_orbax,saves,"
+    "init_bits,vit_init,vit_init_inlined"
 )
 # the inlined threefry's compile, enough to show it; the whole run stays within 8 minutes  # the example and
 # bench_vit have their own tests
@@ -395,6 +395,9 @@ def part_restore(s: dict, work: Path, variant: str) -> dict:
             del states, kernel
     return {
         "verify_s": said.seconds("verified "),  # the fingerprints after each read (cold, warm, warm)
+        "structure_s": said.seconds("checked the structure "),  # the saved tree's metadata against ours
+        "orbax_read_s": said.seconds("read step "),  # Orbax's read inside ours
+        "compile_wait_s": said.seconds("waited for the fingerprint programs "),  # after Orbax's read
         "compile_ahead_s": said.seconds("compiled "),  # in a thread while Orbax read (the cold read)
         "seconds": round(times[0], 3),
         "next_compile_s": round(compile_after, 3),  # a trivial program's, right after the cold read

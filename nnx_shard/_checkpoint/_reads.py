@@ -163,7 +163,9 @@ class CheckpointReader:
     def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
         """See :meth:`nnx_shard.Checkpointer.validate`."""
         step = self._check_step(step)
+        start = time.perf_counter()
         self.check_structure(step, target, items=items)
+        logger.info("checked the structure of step %d in %.3f s", step, time.perf_counter() - start)
         return step
 
     def _reader(self, max_host_bytes: int | None, target: Any) -> ocp.CheckpointManager:
@@ -182,6 +184,7 @@ class CheckpointReader:
     ) -> tuple[Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.read`."""
         stored, keys = storage_target(target)
+        start = time.perf_counter()
         # the verification's programs compile while Orbax reads (the first compile in a process costs ~1 s)
         ahead = compile_ahead(jax.tree.leaves(stored)) if self.verify else None
         with self.reading(step):
@@ -200,8 +203,13 @@ class CheckpointReader:
         if not isinstance(meta, Mapping):
             raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
         meta = dict(meta)
+        logger.info("read step %d through Orbax in %.3f s", step, time.perf_counter() - start)
         if ahead is not None:
+            start = time.perf_counter()
             ahead.join()
+            logger.info(
+                "waited for the fingerprint programs after the read in %.3f s", time.perf_counter() - start
+            )
         if self.verify and "fingerprints" in meta:
             self._verify(step, states, meta["fingerprints"])
         return restore_keys(states, meta.get("prng_keys", {}), keys), meta

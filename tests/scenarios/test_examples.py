@@ -192,6 +192,11 @@ def check_gpu(result):
     assert summary["step_compile_s"] > 0
     verified = parts["restore_nnx_shard"]["verify_s"]  # the verification's seconds, read from the log
     assert len(verified) == 3 and all(v >= 0 for v in verified)
+    for phase in ("structure_s", "orbax_read_s"):  # where each read's time goes, from the log
+        assert (
+            len(parts["restore_nnx_shard"][phase]) == len(parts["restore_nnx_shard_unverified"][phase]) == 3
+        )
+    assert parts["restore_nnx_shard"]["compile_wait_s"] == []  # CPUs compile no fingerprint program ahead
     assert (
         parts["restore_orbax"]["next_compile_s"] > 0 and summary["restore_and_next_compile_over_orbax_s"] > 0
     )
