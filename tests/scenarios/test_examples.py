@@ -206,7 +206,8 @@ def check_gpu(result):
     assert summary["trainer_over_hand_jit"] > 0 and summary["restore_over_orbax_s"] > 0
     # one more step within a call, apart from a call's fixed work (a difference of timings: its sign is
     # noise on a loaded machine)
-    ratio_of(step, "marginal_ratio", "trainer_step_marginal_ms", "hand_jit_step_marginal_ms")
+    marginal = step["trainer_step_marginal_ms"] / step["hand_jit_step_marginal_ms"]
+    assert step["marginal_ratio"] == pytest.approx(marginal, rel=0.01, abs=1e-3)
     assert (
         math.isfinite(step["train_call_fixed_ms"])
         and summary["train_call_fixed_ms"] == step["train_call_fixed_ms"]
