@@ -122,7 +122,6 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
     the same initial state, so their parameters must agree to float tolerance.
     """
     import statistics
-    import time
 
     import jax
 
@@ -131,10 +130,7 @@ def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
     jax.block_until_ready(metrics)
     ours, theirs = [], []
     for _ in range(rounds):  # alternate, so machine noise hits both alike
-        t = time.perf_counter()
-        trainer.train(lambda s: batch, steps=steps)
-        jax.block_until_ready(trainer.states)
-        ours.append((time.perf_counter() - t) / steps)
+        ours.append(train_seconds(trainer, batch, steps) / steps)
         states, seconds = time_steps(jitted, states, batch, steps)
         theirs.append(seconds)
     diff = max_abs_diff(trainer.states["model"], states["model"])
@@ -151,19 +147,10 @@ def marginal_timing(trainer, batch, jitted, states, steps, rounds):
     call's fixed work (log files, lock, final flush). Medians; also the final hand-written ``"states"``.
     """
     import statistics
-    import time
-
-    import jax
-
-    def trainer_run(n):
-        t = time.perf_counter()
-        trainer.train(lambda s: batch, steps=n)
-        jax.block_until_ready(trainer.states)
-        return time.perf_counter() - t
 
     ours, theirs = {"call": [], "step": []}, {"call": [], "step": []}
     for _ in range(rounds):
-        short, long = trainer_run(steps), trainer_run(3 * steps)
+        short, long = train_seconds(trainer, batch, steps), train_seconds(trainer, batch, 3 * steps)
         ours["call"].append(short / steps)
         ours["step"].append((long - short) / (2 * steps))
         states, short = time_steps(jitted, states, batch, steps)  # seconds per step
@@ -184,17 +171,22 @@ def call_fixed_cost(trainer, batch, pairs: int) -> float:
     """Seconds a ``train()`` call costs beyond its steps: the median of ``2 T(1) - T(2)`` over ``pairs`` pairs
     of calls of 1 and 2 steps (each call's steps waited for)."""
     import statistics
+
+    return statistics.median(
+        2 * train_seconds(trainer, batch, 1) - train_seconds(trainer, batch, 2) for _ in range(pairs)
+    )
+
+
+def train_seconds(trainer, batch, steps: int) -> float:
+    """Seconds of one ``trainer.train(steps=steps)`` call on ``batch``, its steps waited for."""
     import time
 
     import jax
 
-    def run(n):
-        t = time.perf_counter()
-        trainer.train(lambda s: batch, steps=n)
-        jax.block_until_ready(trainer.states)
-        return time.perf_counter() - t
-
-    return statistics.median(2 * run(1) - run(2) for _ in range(pairs))
+    t = time.perf_counter()
+    trainer.train(lambda s: batch, steps=steps)
+    jax.block_until_ready(trainer.states)
+    return time.perf_counter() - t
 
 
 def time_steps(step, states, batch, steps: int):

@@ -163,8 +163,8 @@ def quiet() -> Iterator[list[str]]:
         if value is not None and len(hidden) < 20:
             hidden.append(f"{type(value).__name__}: {str(value).splitlines()[0][:200] if str(value) else ''}")
 
-    for logger, _ in saved:
-        logger.setLevel(logging.CRITICAL)
+    for dependency, _ in saved:
+        dependency.setLevel(logging.CRITICAL)
     sys.unraisablehook = collect
     depth = getattr(_QUIETING, "depth", 0)
     _QUIETING.depth = depth + 1
@@ -188,8 +188,8 @@ def quiet() -> Iterator[list[str]]:
         sys.unraisablehook = previous
         if depth == 0 and _QUIETING.failed:
             _filter_abandoned_reads()
-        for logger, level in saved:
-            logger.setLevel(level)
+        for dependency, level in saved:
+            dependency.setLevel(level)
 
 
 def _abandoned_read(unraisable: Any) -> bool:

@@ -191,15 +191,18 @@ class Observer:
         The file stays open for the next call (one file per Trainer): opening and closing a writer costs
         milliseconds a call, which a loop of short ``train()`` calls would pay each time.
         """
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._close_bar()
         if self._writer:
             self._writer.flush()
 
     def close(self) -> None:
-        """Closes the bar and the event file (a later record opens a new one)."""
-        self.finish()
+        """Closes the bar and the event file, flushed (a later record opens a new one)."""
+        self._close_bar()
         if self._writer:
             self._writer.close()
         self._writer = None
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
