@@ -30,6 +30,7 @@ from nnx_shard._checkpoint._faults import StorageAction, is_storage_error, stora
 from nnx_shard._checkpoint._format import (
     describe_strategy,
     mesh_metadata,
+    saved_structure,
     storable,
     tree_fingerprints,
 )
@@ -203,6 +204,7 @@ class Checkpointer:
             "prng_keys": keys,
             **(dict(extra) if extra else {}),
         }
+        meta["structure"] = saved_structure(states)
         if self.verify:
             start = time.perf_counter()
             meta["fingerprints"] = tree_fingerprints(states)
@@ -315,7 +317,8 @@ class Checkpointer:
         return self._reads.all_steps()
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version)."""
+        """The metadata saved with ``step`` (mesh, devices, processes, strategy, version; the state's
+        structure, its items and leaf shapes, that restores check without opening every array)."""
         return self._reads.metadata(step)
 
     def items(self, step: int) -> list[str]:
@@ -327,6 +330,9 @@ class Checkpointer:
 
         With ``items`` (a partial restore), only the saved leaves under those
         top-level keys are compared; within them the structure must match exactly.
+        The saved structure is the one the save recorded in the step's metadata
+        (one small file); for a step saved before nnx_shard recorded it, Orbax's
+        tree metadata, which opens every array.
         """
         self._reads.check_structure(step, target, items=items)
 

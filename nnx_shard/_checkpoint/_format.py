@@ -3,10 +3,11 @@ checked."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from nnx_shard._base import as_state, describe_mesh, flatten_with_paths, is_key, is_variable
@@ -135,18 +136,50 @@ def tree_fingerprints(states: Any) -> dict[str, str]:
     return dict(zip(arrays, fingerprints(list(arrays.values())), strict=True))
 
 
+def saved_structure(states: Any) -> dict[str, Any]:
+    """What a save records of its states' structure, so that a restore checks it from one small file:
+    the top-level items and every leaf's shape, in the layout Orbax saves (its own tree metadata opens
+    every array for its shape: 20-50 ms for 70 arrays).
+
+    >>> saved_structure({"model": {"w": np.zeros((2, 3))}, "ema": {}})
+    {'items': ['ema', 'model'], 'shapes': {'model/w': [2, 3]}}
+    """
+    shapes = {p: [int(d) for d in np.shape(v)] for p, v in leaf_paths(states).items()}
+    return {"items": sorted(states), "shapes": shapes}
+
+
+def recorded_structure(meta: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]]] | None:
+    """The items and leaf shapes a save recorded (:func:`saved_structure`); None where it recorded none (a
+    checkpoint from before they were, or one whose record is not of that form)."""
+    record = meta.get("structure")
+    if not isinstance(record, Mapping):
+        return None
+    items, shapes = record.get("items"), record.get("shapes")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        return None
+    if not isinstance(shapes, Mapping):
+        return None
+    out = {}
+    for path, shape in shapes.items():
+        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            return None
+        out[str(path)] = tuple(shape)
+    return items, out
+
+
 def structure_problems(
-    saved: dict[str, Any], wanted: dict[str, Any], items: Sequence[str] | None
+    saved: dict[str, tuple[int, ...]], wanted: dict[str, Any], items: Sequence[str] | None
 ) -> list[str]:
-    """How the saved leaves differ from the wanted ones (within ``items``, when restoring only those)."""
+    """How the saved leaves (``path -> shape``) differ from the wanted ones (within ``items``, when
+    restoring only those)."""
     if items is not None:
         saved = {p: v for p, v in saved.items() if p.split("/", 1)[0] in items}
     missing = sorted(set(wanted) - set(saved))
     extra = sorted(set(saved) - set(wanted))
     shapes = [
-        f"{p}: saved {tuple(saved[p].shape)}, expected {tuple(wanted[p].shape)}"
+        f"{p}: saved {saved[p]}, expected {tuple(wanted[p].shape)}"
         for p in sorted(set(saved) & set(wanted))
-        if tuple(getattr(saved[p], "shape", ())) != tuple(wanted[p].shape)
+        if saved[p] != tuple(wanted[p].shape)
     ]
     parts = []
     if missing:

@@ -54,7 +54,8 @@ def changed_files(step_dir: Any) -> list[str]:
     return changed
 
 
-JSON_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "meta/metadata", MANIFEST)
+TREE_METADATA = "_METADATA"  # Orbax's tree metadata file in an item's folder
+JSON_FILES = ("_CHECKPOINT_METADATA", f"state/{TREE_METADATA}", "state/_sharding", "meta/metadata", MANIFEST)
 
 
 def unreadable_json(step_dir: Any) -> list[str]:

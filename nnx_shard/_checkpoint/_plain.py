@@ -208,7 +208,7 @@ def _no_fit(
         saved, prefix = pool[0].leaves, f"{name}/"
         if any(p.startswith(prefix) for p in saved):  # the item holds the objects under their names
             saved = {p.removeprefix(prefix): v for p, v in saved.items() if p.startswith(prefix)}
-        parts = structure_problems(saved, dict(leaves), None)
+        parts = structure_problems({p: tuple(v.shape) for p, v in saved.items()}, dict(leaves), None)
         return CheckpointMismatchError(
             f"item {pool[0].name!r} of {where} holds another structure than {name!r}; "
             + "; ".join(parts)

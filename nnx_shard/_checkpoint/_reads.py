@@ -18,12 +18,13 @@ from nnx_shard._checkpoint._faults import storage_faults
 from nnx_shard._checkpoint._fingerprint import compile_ahead
 from nnx_shard._checkpoint._format import (
     leaf_paths,
+    recorded_structure,
     restore_keys,
     storage_target,
     structure_problems,
     tree_fingerprints,
 )
-from nnx_shard._checkpoint._manifest import changed_files
+from nnx_shard._checkpoint._manifest import TREE_METADATA, changed_files
 from nnx_shard.errors import CheckpointCorruptError, CheckpointMismatchError, NoCheckpointError
 
 logger = logging.getLogger("nnx_shard")
@@ -148,9 +149,7 @@ class CheckpointReader:
             raise self._corrupted(
                 step, f"{len(changed)} of its files differ from when it was saved: {changed[:8]}"
             )
-        saved_tree = self._saved_tree(step)
-        self._saved_items[step] = sorted(saved_tree)
-        saved = leaf_paths(saved_tree)
+        saved = self._saved_shapes(step)
         wanted = {p: v for p, v in leaf_paths(storage_target(target)[0]).items() if hasattr(v, "shape")}
         parts = structure_problems(saved, wanted, items)
         if parts:
@@ -159,6 +158,28 @@ class CheckpointReader:
                 + "; ".join(parts)
                 + ". Build the model, optimizer and EMA with the config they were saved with."
             )
+
+    def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        """``path -> shape`` of the step's saved leaves (and its items, kept for :meth:`items`): as its save
+        recorded them in its metadata, else from Orbax's tree metadata, which opens every array."""
+        with self.reading(step):  # the item's own file: no barrier across processes, as a restore has
+            meta = ocp.JsonCheckpointHandler().restore(
+                self.directory / str(step) / "meta", args=ocp.args.JsonRestore()
+            )
+        recorded = recorded_structure(meta) if isinstance(meta, Mapping) else None
+        if recorded is None:
+            saved_tree = self._saved_tree(step)
+            self._saved_items[step] = sorted(saved_tree)
+            return {p: tuple(getattr(v, "shape", ())) for p, v in leaf_paths(saved_tree).items()}
+        tree_file = self.directory / str(step) / "state" / TREE_METADATA
+        with self.reading(step):
+            missing = not tree_file.exists() or tree_file.stat().length == 0
+        if missing:  # Orbax would read without it into a confusing structure error
+            raise self._corrupted(
+                step, f"the state item has no metadata (state/{TREE_METADATA} is missing or empty)"
+            )
+        self._saved_items[step], shapes = recorded
+        return shapes
 
     def validate(self, step: int | None, target: Any, *, items: Sequence[str] | None = None) -> int:
         """See :meth:`nnx_shard.Checkpointer.validate`."""

@@ -82,6 +82,76 @@ def test_a_structure_mismatch_names_paths_and_shapes(tmp_path):
     assert jax.tree.leaves(hooks.states())[0].shape == (32,)  # untouched
 
 
+class WithKeys(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)  # a typed PRNG key, stored as its key data
+
+
+def test_the_recorded_structure_is_what_orbax_saved(tmp_path):
+    import orbax.checkpoint as ocp
+
+    model = WithKeys(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    state = {"model": model, "optimizer": optimizer, "ema": {}, "counts": {"n": 3}}  # an empty item, a scalar
+    with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state)
+        recorded = ckpt.metadata(1)["structure"]
+    manager = ocp.CheckpointManager(tmp_path, item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    tree = manager.metadata(1).item_metadata["state"]
+    assert recorded["items"] == sorted(tree) == ["counts", "ema", "model", "optimizer"]
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]  # the leaves Orbax lists, and their shapes
+    orbax_shapes = {
+        "/".join(str(k.key) for k in path).removesuffix("/value"): list(getattr(leaf, "shape", ()))
+        for path, leaf in flat
+    }
+    assert orbax_shapes == recorded["shapes"]
+    assert recorded["shapes"]["model/dropout/rngs/key"] == [2] and recorded["shapes"]["counts/n"] == []
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "saved-before-it-was-recorded"])
+def test_the_structure_check_reads_the_recorded_structure_not_every_arrays_metadata(
+    tmp_path, monkeypatch, recorded
+):
+    import json
+
+    import orbax.checkpoint as ocp
+
+    mesh = ns.create_mesh((8,), ("fsdp",))
+    with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, objects(16), mesh=mesh)
+    if not recorded:  # as a checkpoint from an earlier version: Orbax's tree metadata is read instead
+        meta_file = tmp_path / "1" / "meta" / "metadata"
+        meta = json.loads(meta_file.read_text())
+        del meta["structure"]
+        meta_file.write_text(json.dumps(meta))
+    opened = []
+    real = ocp.CheckpointManager.metadata
+    monkeypatch.setattr(ocp.CheckpointManager, "metadata", lambda *a, **k: opened.append(1) or real(*a, **k))
+    ckpt = ns.Checkpointer(tmp_path, verify=recorded)  # an edited metadata file fails the file checksums
+    hooks = ns.ShardingHooks(STRATEGY, mesh)
+    hooks.adopt(objects(32))
+    with pytest.raises(
+        ns.CheckpointMismatchError, match=r"model/kernel: saved \(8, 16\), expected \(8, 32\)"
+    ):
+        hooks.restore_and_reshard(ckpt)
+    hooks.adopt(objects(16))
+    assert "restored step 1" in str(hooks.restore_and_reshard(ckpt))
+    assert ckpt.items(1) == ["model", "optimizer"]
+    assert bool(opened) is not recorded
+
+
+def test_a_missing_tree_metadata_file_is_corruption_though_the_structure_was_recorded(tmp_path):
+    mesh = ns.create_mesh((8,), ("fsdp",))
+    with ns.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, objects(16), mesh=mesh)
+    (tmp_path / "1" / "state" / "_METADATA").unlink()
+    hooks = ns.ShardingHooks(STRATEGY, mesh)
+    hooks.adopt(objects(16))
+    with pytest.raises(ns.CheckpointCorruptError, match=r"state/_METADATA is missing or empty"):
+        hooks.restore_and_reshard(ns.Checkpointer(tmp_path, verify=False))
+
+
 def test_a_trainers_workdir_restores_like_its_checkpoints_folder_and_a_parent_names_it(tmp_path):
     from tests.apps.trainer_app import STRATEGY, RegressionTrainer, batch_for, config
 
