@@ -24,7 +24,8 @@ Each part runs in a fresh process of this script, so each allocator peak is its 
   and skipped counted), and one snapshot's milliseconds on the step's path and in the background;
 - ``vit_init`` / ``vit_init_inlined``: the compile of the ViT example's sharded init alone, as shipped (on
   a GPU with JAX's threefry kernel, scoped to the lowering) and with JAX's default lowering, the inlined
-  hash (the code before: over 140 s on an H200, so capped at ``INLINED_CAP_S``); ``init_bits``: a tiny
+  hash (the code before: over 140 s on an H200, so capped at ``INLINED_CAP_S``); then, as shipped, the
+  example's train step compiled (``compile_report``) with JAX's compile phases apart; ``init_bits``: a tiny
   ViT's init both ways, every leaf compared bit for bit, and the user's flag after the call.
 
     python benchmarks/bench_gpu.py --out results/bench_gpu.json           # on a GPU host
@@ -223,7 +224,8 @@ def part_step(s: dict, work: Path) -> dict:
     )
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
     began = time.perf_counter()
-    report = trainer.compile_report(jax.devices(), abstract)  # on abstract state: allocates nothing
+    with _CompilePhases() as phases:
+        report = trainer.compile_report(jax.devices(), abstract)  # on abstract state: allocates nothing
     compile_s = time.perf_counter() - began  # the train step's lowering and compile (item 1)
     trainer.init()
     before = allocator()
@@ -264,6 +266,7 @@ def part_step(s: dict, work: Path) -> dict:
         "max_param_diff_vs_hand": diff,
         "compile_report": {k: getattr(report, k) for k in REPORTED},
         "step_compile_s": round(compile_s, 3),  # compile_report: the step lowered and compiled, once
+        "step_compile_phases_s": phases.seconds,  # tracing, lowering to MLIR, XLA's compile
     }
     if during is not None:
         result["memory_stats_before_steps"] = before
@@ -548,16 +551,66 @@ def part_snapshots(s: dict, work: Path) -> dict:
     return out
 
 
-def _vit_init(config: str):
-    import nnx_shard as ns
-
+def _vit_trainer(config: str):
     sys.path.insert(0, str(ROOT))
     from examples.vit.config import get_config
     from examples.vit.trainer import ViTTrainer
 
     cfg = get_config(config)
-    trainer = ViTTrainer({**cfg.to_dict(), "workdir": "", "progress": "off"})
+    return ViTTrainer({**cfg.to_dict(), "workdir": "", "progress": "off"}), cfg
+
+
+def _vit_init(config: str):
+    import nnx_shard as ns
+
+    trainer, cfg = _vit_trainer(config)
     return ns.placement.sharded_init_fn(trainer._create, cfg.sharding_strategy, trainer.mesh)
+
+
+class _CompilePhases:
+    """Seconds by JAX's compile events while installed: tracing to a jaxpr, lowering it to MLIR, and XLA's
+    own compile (``/jax/core/compile/backend_compile_duration``), summed per event."""
+
+    def __enter__(self):
+        import jax
+
+        self.seconds: dict[str, float] = {}
+
+        def listen(name: str, seconds: float, **kwargs) -> None:
+            if name.startswith("/jax/core/compile/"):
+                key = name.rsplit("/", 1)[1].removesuffix("_duration")
+                self.seconds[key] = round(self.seconds.get(key, 0.0) + seconds, 3)
+
+        self.listen = listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self.listen)
+
+
+def _vit_step_compile(s: dict) -> dict:
+    """The ViT example's train step lowered and compiled on abstract state (``compile_report``), split
+    into JAX's compile phases: what dominates the step's compile (item 1)."""
+    import jax
+    import numpy as np
+
+    trainer, cfg = _vit_trainer(s["vit_config"])
+    size, channels, rows = cfg.data.image_size, cfg.data.channels, s["vit_batch"]
+    batch = {
+        "images": jax.ShapeDtypeStruct((rows, size, size, channels), np.float32),
+        "labels": jax.ShapeDtypeStruct((rows,), np.int32),
+    }
+    t = time.perf_counter()
+    with _CompilePhases() as phases:
+        report = trainer.compile_report(jax.devices(), batch)
+    return {
+        "seconds": round(time.perf_counter() - t, 3),
+        "phases_s": phases.seconds,
+        "peak_bytes": report.peak_bytes,
+    }
 
 
 def part_vit_init(s: dict, work: Path, variant: str) -> dict:
@@ -571,7 +624,7 @@ def part_vit_init(s: dict, work: Path, variant: str) -> dict:
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    return {
+    out = {
         "config": s["vit_config"],
         "arrays": len(plan.leaves),
         "lower_s": round(t1 - t, 3),
@@ -579,6 +632,9 @@ def part_vit_init(s: dict, work: Path, variant: str) -> dict:
         "platform": jax.devices()[0].platform,
         "user_flag_after": bool(jax.config.jax_threefry_gpu_kernel_lowering),
     }
+    if not variant.endswith("inlined"):  # then the example's train step, in the same process
+        out["step_compile"] = _vit_step_compile(s)
+    return out
 
 
 def part_init_bits(s: dict, work: Path) -> dict:
@@ -646,6 +702,7 @@ def summarize(parts: dict) -> dict:
         out["same_values_as_plain_jit_init"] = a["fingerprint"] == b.get("fingerprint_plain_jit")
     if ok("vit_init"):
         inlined = parts.get("vit_init_inlined", {})
+        out["vit_step_compile"] = parts["vit_init"].get("step_compile")
         out["vit_init_compile_s"] = [
             parts["vit_init"]["compile_s"],
             inlined.get("compile_s", f"> {INLINED_CAP_S}"),
