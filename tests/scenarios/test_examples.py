@@ -227,6 +227,12 @@ def check_gpu(result):
     assert summary["vit_init_compile_s"] == [shipped["compile_s"], inlined["compile_s"]]
     assert summary["init_same_bits"] is True and summary["init_user_flag_unchanged"] is True
     assert parts["init_bits"]["arrays"] > 0
+    # the example's train step compiled apart, its time split into JAX's phases (what dominates it)
+    phases = shipped["step_compile"]["phases_s"]
+    assert set(phases) >= {"jaxpr_trace", "jaxpr_to_mlir_module", "backend_compile"}, phases
+    assert phases["backend_compile"] > 0 and shipped["step_compile"]["seconds"] >= phases["backend_compile"]
+    assert summary["vit_step_compile"] == shipped["step_compile"] and "step_compile" not in inlined
+    assert set(step["step_compile_phases_s"]) >= {"jaxpr_trace", "backend_compile"}
 
 
 BENCHMARKS = {
