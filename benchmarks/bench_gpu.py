@@ -8,7 +8,8 @@ memory report (``memory_analysis()``) say what the device's allocator then holds
 Each part runs in a fresh process of this script, so each allocator peak is its own part's:
 - ``example``: ``examples/vit/train.py --config b16,synthetic --real-devices``, then a resume from its
   checkpoint (restore_and_reshard on the device);
-- ``vit``: ``bench_vit.py --real-devices``: the example's Trainer against a hand-written jit step;
+- ``vit``: ``bench_vit.py --real-devices``: the example's Trainer against a hand-written jit step, and the
+  compiles of each one's first call split into JAX's phases (tracing, lowering to MLIR, XLA's compile);
 - ``step``: the MLP of ``bench_step.py`` (model + adamw + EMA, donated) at GPU sizes, the same
   comparison (per step of a ``train()`` call of ``steps`` steps, and the marginal step with the call's
   fixed cost apart), and the Trainer's ``compile_report`` peak against ``memory_stats`` while it trains;
@@ -24,8 +25,7 @@ Each part runs in a fresh process of this script, so each allocator peak is its 
   and skipped counted), and one snapshot's milliseconds on the step's path and in the background;
 - ``vit_init`` / ``vit_init_inlined``: the compile of the ViT example's sharded init alone, as shipped (on
   a GPU with JAX's threefry kernel, scoped to the lowering) and with JAX's default lowering, the inlined
-  hash (the code before: over 140 s on an H200, so capped at ``INLINED_CAP_S``); then, as shipped, the
-  example's train step compiled (``compile_report``) with JAX's compile phases apart; ``init_bits``: a tiny
+  hash (the code before: over 140 s on an H200, so capped at ``INLINED_CAP_S``); ``init_bits``: a tiny
   ViT's init both ways, every leaf compared bit for bit, and the user's flag after the call.
 
     python benchmarks/bench_gpu.py --out results/bench_gpu.json           # on a GPU host
@@ -216,7 +216,7 @@ def part_step(s: dict, work: Path) -> dict:
     import jax
     import jax.numpy as jnp
     from bench_step import quiet_trainer
-    from common import call_fixed_cost, hand_written_step, marginal_timing, max_abs_diff
+    from common import CompilePhases, call_fixed_cost, hand_written_step, marginal_timing, max_abs_diff
 
     n = jax.device_count()
     trainer, batch = quiet_trainer(
@@ -224,7 +224,7 @@ def part_step(s: dict, work: Path) -> dict:
     )
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
     began = time.perf_counter()
-    with _CompilePhases() as phases:
+    with CompilePhases() as phases:
         report = trainer.compile_report(jax.devices(), abstract)  # on abstract state: allocates nothing
     compile_s = time.perf_counter() - began  # the train step's lowering and compile (item 1)
     trainer.init()
@@ -567,52 +567,6 @@ def _vit_init(config: str):
     return ns.placement.sharded_init_fn(trainer._create, cfg.sharding_strategy, trainer.mesh)
 
 
-class _CompilePhases:
-    """Seconds by JAX's compile events while installed: tracing to a jaxpr, lowering it to MLIR, and XLA's
-    own compile (``/jax/core/compile/backend_compile_duration``), summed per event."""
-
-    def __enter__(self):
-        import jax
-
-        self.seconds: dict[str, float] = {}
-
-        def listen(name: str, seconds: float, **kwargs) -> None:
-            if name.startswith("/jax/core/compile/"):
-                key = name.rsplit("/", 1)[1].removesuffix("_duration")
-                self.seconds[key] = round(self.seconds.get(key, 0.0) + seconds, 3)
-
-        self.listen = listen
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        return self
-
-    def __exit__(self, *exc):
-        import jax
-
-        jax.monitoring.unregister_event_duration_listener(self.listen)
-
-
-def _vit_step_compile(s: dict) -> dict:
-    """The ViT example's train step lowered and compiled on abstract state (``compile_report``), split
-    into JAX's compile phases: what dominates the step's compile (item 1)."""
-    import jax
-    import numpy as np
-
-    trainer, cfg = _vit_trainer(s["vit_config"])
-    size, channels, rows = cfg.data.image_size, cfg.data.channels, s["vit_batch"]
-    batch = {
-        "images": jax.ShapeDtypeStruct((rows, size, size, channels), np.float32),
-        "labels": jax.ShapeDtypeStruct((rows,), np.int32),
-    }
-    t = time.perf_counter()
-    with _CompilePhases() as phases:
-        report = trainer.compile_report(jax.devices(), batch)
-    return {
-        "seconds": round(time.perf_counter() - t, 3),
-        "phases_s": phases.seconds,
-        "peak_bytes": report.peak_bytes,
-    }
-
-
 def part_vit_init(s: dict, work: Path, variant: str) -> dict:
     """Lowering and compiling the ViT example's sharded init (model, adamw, EMA), nothing run: as shipped,
     or (``inlined``) through the plain ``jax.jit`` with JAX's default threefry lowering."""
@@ -632,8 +586,6 @@ def part_vit_init(s: dict, work: Path, variant: str) -> dict:
         "platform": jax.devices()[0].platform,
         "user_flag_after": bool(jax.config.jax_threefry_gpu_kernel_lowering),
     }
-    if not variant.endswith("inlined"):  # then the example's train step, in the same process
-        out["step_compile"] = _vit_step_compile(s)
     return out
 
 
@@ -691,6 +643,7 @@ def summarize(parts: dict) -> dict:
         out["allocator_peak_over_compile_report"] = parts["step"].get("peak_over_compile_report")
     if ok("vit"):
         out["vit_trainer_over_hand_jit"] = parts["vit"]["ratio_trainer_time_over_hand"]
+        out["vit_compile_phases_s"] = parts["vit"].get("compile_phases_s")
     if ok("create_sharded") and ok("device_put"):
         a, b = parts["create_sharded"], parts["device_put"]
         out["create_sharded_over_device_put_s"] = round(a["seconds"] / b["seconds"], 3)
@@ -702,7 +655,6 @@ def summarize(parts: dict) -> dict:
         out["same_values_as_plain_jit_init"] = a["fingerprint"] == b.get("fingerprint_plain_jit")
     if ok("vit_init"):
         inlined = parts.get("vit_init_inlined", {})
-        out["vit_step_compile"] = parts["vit_init"].get("step_compile")
         out["vit_init_compile_s"] = [
             parts["vit_init"]["compile_s"],
             inlined.get("compile_s", f"> {INLINED_CAP_S}"),

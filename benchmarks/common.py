@@ -115,6 +115,31 @@ def max_abs_diff(a, b) -> float:
     return max((float(jnp.max(jnp.abs(x - y))) for x, y in pairs if x.size), default=0.0)
 
 
+class CompilePhases:
+    """Seconds by JAX's compile events while installed, summed per phase: ``jaxpr_trace`` (tracing),
+    ``jaxpr_to_mlir_module`` (lowering) and ``backend_compile`` (XLA's own compile): which one a compile's
+    time goes to."""
+
+    def __enter__(self):
+        import jax
+
+        self.seconds: dict[str, float] = {}
+
+        def listen(name: str, seconds: float, **kwargs) -> None:
+            if name.startswith("/jax/core/compile/"):
+                key = name.rsplit("/", 1)[1].removesuffix("_duration")
+                self.seconds[key] = round(self.seconds.get(key, 0.0) + seconds, 3)
+
+        self.listen = listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self.listen)
+
+
 def interleaved_timing(trainer, batch, jitted, states, steps, rounds):
     """Median seconds per step of the Trainer and of the hand-written step, in alternating rounds.
 

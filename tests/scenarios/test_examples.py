@@ -133,8 +133,13 @@ def check_vit(result):
     speed = {"ours": 1 / result["trainer_images_per_s"], "base": 1 / result["hand_jit_images_per_s"]}
     ratio_of({**result, **speed}, "ratio_trainer_time_over_hand", "ours", "base")
     # Not bitwise: adamw turns float noise in the ViT's near-zero gradients into updates of up to the
-    # rate (1e-3) a step, so 8 steps bound the difference by 8e-3 (2.3e-3 measured).
-    assert result["max_param_diff_vs_hand"] < 8e-3
+    # rate (1e-3) a step, so 9 steps bound the difference by 9e-3 (2.3e-3 measured at 8).
+    assert result["max_param_diff_vs_hand"] < 9e-3
+    # each first call's compile split into JAX's phases: the Trainer's step compiled in its first call (none
+    # at init but the creation's), the hand-written step in its own
+    phases = result["compile_phases_s"]
+    for first in ("trainer_first_call", "hand_jit_first_step", "trainer_init"):
+        assert phases[first]["backend_compile"] > 0 and phases[first]["jaxpr_trace"] > 0, phases
 
 
 def check_load(result):
@@ -227,12 +232,8 @@ def check_gpu(result):
     assert summary["vit_init_compile_s"] == [shipped["compile_s"], inlined["compile_s"]]
     assert summary["init_same_bits"] is True and summary["init_user_flag_unchanged"] is True
     assert parts["init_bits"]["arrays"] > 0
-    # the example's train step compiled apart, its time split into JAX's phases (what dominates it)
-    phases = shipped["step_compile"]["phases_s"]
-    assert set(phases) >= {"jaxpr_trace", "jaxpr_to_mlir_module", "backend_compile"}, phases
-    assert phases["backend_compile"] > 0 and shipped["step_compile"]["seconds"] >= phases["backend_compile"]
-    assert summary["vit_step_compile"] == shipped["step_compile"] and "step_compile" not in inlined
-    assert set(step["step_compile_phases_s"]) >= {"jaxpr_trace", "backend_compile"}
+    # the step's compile split into JAX's phases (tracing, lowering, XLA's compile): what dominates it
+    assert set(step["step_compile_phases_s"]) >= {"jaxpr_trace", "jaxpr_to_mlir_module", "backend_compile"}
 
 
 BENCHMARKS = {
