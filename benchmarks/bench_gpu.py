@@ -551,19 +551,15 @@ def part_snapshots(s: dict, work: Path) -> dict:
     return out
 
 
-def _vit_trainer(config: str):
+def _vit_init(config: str):
+    import nnx_shard as ns
+
     sys.path.insert(0, str(ROOT))
     from examples.vit.config import get_config
     from examples.vit.trainer import ViTTrainer
 
     cfg = get_config(config)
-    return ViTTrainer({**cfg.to_dict(), "workdir": "", "progress": "off"}), cfg
-
-
-def _vit_init(config: str):
-    import nnx_shard as ns
-
-    trainer, cfg = _vit_trainer(config)
+    trainer = ViTTrainer({**cfg.to_dict(), "workdir": "", "progress": "off"})
     return ns.placement.sharded_init_fn(trainer._create, cfg.sharding_strategy, trainer.mesh)
 
 
@@ -578,7 +574,7 @@ def part_vit_init(s: dict, work: Path, variant: str) -> dict:
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    out = {
+    return {
         "config": s["vit_config"],
         "arrays": len(plan.leaves),
         "lower_s": round(t1 - t, 3),
@@ -586,7 +582,6 @@ def part_vit_init(s: dict, work: Path, variant: str) -> dict:
         "platform": jax.devices()[0].platform,
         "user_flag_after": bool(jax.config.jax_threefry_gpu_kernel_lowering),
     }
-    return out
 
 
 def part_init_bits(s: dict, work: Path) -> dict:

@@ -162,18 +162,16 @@ class CheckpointReader:
     def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """``path -> shape`` of the step's saved leaves (and its items, kept for :meth:`items`): as its save
         recorded them in its metadata, else from Orbax's tree metadata, which opens every array."""
+        folder = self.directory / str(step)
         with self.reading(step):  # the item's own file: no barrier across processes, as a restore has
-            meta = ocp.JsonCheckpointHandler().restore(
-                self.directory / str(step) / "meta", args=ocp.args.JsonRestore()
-            )
-        recorded = recorded_structure(meta) if isinstance(meta, Mapping) else None
+            meta = ocp.JsonCheckpointHandler().restore(folder / "meta", args=ocp.args.JsonRestore())
+            recorded = recorded_structure(meta) if isinstance(meta, Mapping) else None
+            tree_file = folder / "state" / TREE_METADATA
+            missing = recorded is not None and (not tree_file.exists() or tree_file.stat().length == 0)
         if recorded is None:
             saved_tree = self._saved_tree(step)
             self._saved_items[step] = sorted(saved_tree)
             return {p: tuple(getattr(v, "shape", ())) for p, v in leaf_paths(saved_tree).items()}
-        tree_file = self.directory / str(step) / "state" / TREE_METADATA
-        with self.reading(step):
-            missing = not tree_file.exists() or tree_file.stat().length == 0
         if missing:  # Orbax would read without it into a confusing structure error
             raise self._corrupted(
                 step, f"the state item has no metadata (state/{TREE_METADATA} is missing or empty)"
