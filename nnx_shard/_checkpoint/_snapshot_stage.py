@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_shard._base import CompiledAhead, cached
-from nnx_shard._checkpoint._fingerprint_shares import block_base, block_share
+from nnx_shard._checkpoint._fingerprint_shares import block_base, block_share, word_shape, word_strides
 from nnx_shard._checkpoint._snapshot_file import HEADER, Shard, host_memory
 
 logger = logging.getLogger("nnx_shard")
@@ -47,7 +47,11 @@ _COMPILED = CompiledAhead("snapshot")
 @cached(maxsize=16)
 def _program(blocks: tuple[tuple[tuple[int, ...], int, tuple[range, ...]], ...]) -> Any:
     """``(shards) -> (chunks, shares)`` for one device's shards, each given as (global shape, base, row
-    ranges): each shard's copy in chunks of whole rows (contiguous bytes of it), and each shard's share."""
+    ranges): each shard's copy in chunks of whole rows (contiguous bytes of it), and each shard's share.
+
+    A share is summed over the chunks, not over the shard: XLA then makes each chunk and its sum in one
+    fusion, and the shard is read once (compiled for a TPU, a separate sum read every shard a second time).
+    """
 
     def stage(shards: list[jax.Array]) -> tuple[list[list[jax.Array]], jax.Array]:
         # new buffers (XLA copies a parameter it returns, and a slice)
@@ -55,10 +59,13 @@ def _program(blocks: tuple[tuple[tuple[int, ...], int, tuple[range, ...]], ...])
             [jnp.copy(x) if len(rows) == 1 else x[r.start : r.stop] for r in rows]
             for x, (_, _, rows) in zip(shards, blocks, strict=True)
         ]
-        shares = [
-            block_share(x, jnp.uint32(base), shape)
-            for x, (shape, base, _) in zip(shards, blocks, strict=True)
-        ]
+        shares = []
+        for x, pieces, (shape, base, rows) in zip(shards, chunks, blocks, strict=True):
+            row_words = word_strides(word_shape(shape, x.dtype))[0] if shape else 0
+            starts = [(base + r.start * row_words) % 2**32 for r in rows]
+            shares.append(
+                sum(block_share(c, jnp.uint32(a), shape) for c, a in zip(pieces, starts, strict=True))
+            )
         return chunks, jnp.stack(shares)
 
     return jax.jit(stage)

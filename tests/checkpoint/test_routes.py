@@ -2,9 +2,14 @@
 creation.
 
 The GPU and TPU paths cannot run here; these tests pin the choice (by platform) and check, on the CPU, that
-the fused program computes what the blocked one and the host do, so that a GPU runs the same sum."""
+the fused program computes what the blocked one and the host do, so that a GPU runs the same sum. Compiled
+for a TPU through libtpu (nothing runs), the fused fingerprint and a snapshot's stage read each shard once."""
 
 from __future__ import annotations
+
+import importlib.util
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +23,10 @@ from nnx_shard._checkpoint import _fingerprint as fp
 from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint
 from nnx_shard._trainer._norm import global_norm, norm_route
 from tests.helpers import mesh_of
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the tpu extra)"
+)
 
 
 class FakeDevice:
@@ -77,6 +86,68 @@ def test_the_fused_shard_program_sums_what_the_blocked_one_and_the_host_do(dtype
         ]
         host = block_fingerprint(np.asarray(x), (0,) * x.ndim, x.shape)
     assert sums[0] == sums[1] == host
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype, spec", [(jnp.float32, ("fsdp",)), (jnp.bfloat16, (None, "fsdp"))])
+def test_on_tpus_the_fused_fingerprint_is_one_pass_over_each_shard_with_no_loop(dtype, spec):
+    """Compiled for a v5e:2x2 slice through libtpu (nothing runs): the fused program reads each device's
+    shard once, with no loop and no temporary the size of a shard; the blocked one (CPU devices) loops."""
+    mesh = jax.sharding.Mesh(np.array(ns.cluster.tpu_devices("v5e:2x2")), ("fsdp",))
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    shape = (2048, 2048)
+    target = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    shard_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize // 4
+    compiled = {
+        blocks: fp._shard_program(shape, jnp.dtype(dtype), sharding, blocks).lower(target).compile()
+        for blocks in (False, True)
+    }
+    loops = {blocks: re.search(r"\) while\(", c.as_text()) is not None for blocks, c in compiled.items()}
+    assert loops == {False: False, True: True}
+    fused = compiled[False]
+    cost = fused.cost_analysis()
+    cost = cost if isinstance(cost, dict) else cost[0]
+    slack = 64 * 1024  # the index vectors along each dimension (a few KiB), not a copy of the shard
+    assert fused.memory_analysis().temp_size_in_bytes <= slack
+    assert shard_bytes <= cost["bytes accessed"] <= shard_bytes + slack
+
+
+def _readers(hlo: str) -> dict[int, int]:
+    """How many instructions of the entry computation read each of its parameters."""
+    entry = hlo[hlo.index("\nENTRY") :].splitlines()[1:]
+    names = {}
+    for line in entry:
+        found = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .* parameter\((\d+)\)", line)
+        if found:
+            names[int(found.group(2))] = found.group(1)
+    return {
+        k: sum(1 for line in entry if re.search(re.escape(name) + r"(?![\w.-])", line.split(" = ", 1)[-1]))
+        for k, name in names.items()
+    }
+
+
+@needs_libtpu
+def test_on_tpus_a_snapshot_stage_reads_each_shard_once():
+    """Compiled for one v5e chip: each shard's copy, in chunks or whole, and its fingerprint share come from
+    one read of it (the share summed over the chunks XLA is writing), not a copy and then a second pass."""
+    from jax.sharding import SingleDeviceSharding
+
+    from nnx_shard._checkpoint import _snapshot_stage as stage
+
+    device = ns.cluster.tpu_devices("v5e:2x2")[0]
+    shards = [
+        ((4096, 4096), jnp.float32),
+        ((1024, 8192), jnp.bfloat16),
+        ((4096,), jnp.float32),
+        ((), jnp.int32),
+    ]
+    key = tuple((shape, 0, stage._rows(shape, jnp.dtype(dtype).itemsize)) for shape, dtype in shards)
+    assert len(key[0][2]) == 2  # 64 MiB: two chunks of 32 MiB
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device)) for shape, dtype in shards
+    ]
+    readers = _readers(stage._program(key).lower(args).compile().as_text())
+    assert readers == {k: 1 for k in range(len(shards))}
 
 
 def test_threefry_kernel_is_set_inside_the_context_on_gpus_only():
