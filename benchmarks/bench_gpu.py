@@ -22,7 +22,9 @@ Each part runs in a fresh process of this script, so each allocator peak is its 
   sync and async (the call's return and the finished write), and the Trainer's step while an async save
   of it runs against the same steps without;
 - ``snapshots``: the step's Trainer with ``snapshot_every`` 0, 10 and 100 in alternating rounds (taken
-  and skipped counted), and one snapshot's milliseconds on the step's path and in the background;
+  and skipped counted), one snapshot's milliseconds on the step's path and in the background, and XLA's
+  bytes accessed by the devices' stage programs over one read and one write of the state (1.0: the
+  fingerprint shares fused with the copies);
 - ``vit_init`` / ``vit_init_inlined``: the compile of the ViT example's sharded init alone, as shipped (on
   a GPU with JAX's threefry kernel, scoped to the lowering) and with JAX's default lowering, the inlined
   hash (the code before: over 140 s on an H200, so capped at ``INLINED_CAP_S``); ``init_bits``: a tiny
@@ -66,7 +68,7 @@ PARTS = (  # the quick ones first
 PART_TIMEOUT_S = 300
 QUICK = (
     "step,create_sharded,device_put,save,restore_nnx_shard,restore_nnx_shard_unverified,restore_orbax,saves,"
-    "init_bits,vit_init,vit_init_inlined"
+    "snapshots,init_bits,vit_init,vit_init_inlined"
 )
 # the inlined threefry's compile, enough to show it; the whole run stays within 8 minutes  # the example and
 # bench_vit have their own tests
@@ -508,7 +510,7 @@ def part_snapshots(s: dict, work: Path) -> dict:
     import statistics
 
     import jax
-    from bench_snapshot import snapshot_events, where_the_time_goes
+    from bench_snapshot import snapshot_events, stage_traffic, where_the_time_goes
     from bench_step import quiet_trainer
 
     n, shm = jax.device_count(), "/dev/shm" if os.path.isdir("/dev/shm") else str(work)
@@ -544,7 +546,9 @@ def part_snapshots(s: dict, work: Path) -> dict:
     out["step_ms_no_snapshot"] = round(1e3 * statistics.median(times[0]), 3)
     on_path, background = where_the_time_goes(built[0][0].hooks.states())
     out.update(
-        snapshot_ms_on_the_steps_path=round(on_path, 2), snapshot_ms_in_the_background=round(background, 2)
+        snapshot_ms_on_the_steps_path=round(on_path, 2),
+        snapshot_ms_in_the_background=round(background, 2),
+        stage_bytes_over_one_read_and_write=round(stage_traffic(built[0][0].hooks.states()), 3),
     )
     for trainer, _ in built.values():  # the snapshots in host memory go with the part
         shutil.rmtree(trainer.config.snapshot_dir, ignore_errors=True)
@@ -682,6 +686,7 @@ def summarize(parts: dict) -> dict:
         snaps = parts["snapshots"]
         out["snapshot_ratio"] = {k: snaps[f"every_{k}"]["ratio"] for k in (10, 100)}
         out["snapshots_skipped_every_10"] = snaps["every_10"]["skipped"]
+        out["snapshot_stage_bytes_over_one_read_and_write"] = snaps["stage_bytes_over_one_read_and_write"]
     return out
 
 

@@ -12,7 +12,11 @@ on the step's path (CPU devices: straight into the snapshot file, before the nex
 step may donate the buffers) and the work left to a background thread beside
 the next steps (each piece's fingerprint share, the header). At snapshot_every=1
 a snapshot still being written when the next is due is skipped: the count is
-reported.
+reported. On GPUs and TPUs a snapshot starts with one program per device that
+copies its shards and sums their fingerprint shares (``_snapshot_stage``):
+XLA's bytes accessed by those programs, over one read and one write of the
+shards, says whether the shares are summed in the copy's pass (1.0) or in
+passes of their own (the CPU, which does not stage, compiles them for the figure).
 
     python benchmarks/bench_snapshot.py [--smoke]
 """
@@ -32,7 +36,7 @@ simulate_devices(8)
 import jax  # noqa: E402
 from bench_step import quiet_trainer  # noqa: E402
 
-from nnx_shard._checkpoint import SnapshotWriter, snapshot_own_bytes  # noqa: E402
+from nnx_shard._checkpoint import SnapshotWriter, _snapshot_file, _snapshot_stage, snapshot_own_bytes  # noqa: E402
 
 
 def build(width, depth, rows, every):
@@ -58,6 +62,22 @@ def where_the_time_goes(states, repeats: int = 5) -> tuple[float, float]:
     return min(on_path) * 1e3, (min(total) - min(on_path)) * 1e3
 
 
+def stage_traffic(states) -> float:
+    """XLA's bytes accessed by the devices' stage programs (each shard's copy and its fingerprint share, as on
+    GPUs and TPUs), over one read and one write of the shards: 1.0 when each shard is read once."""
+    shards = _snapshot_file.own_shards(states)
+    accessed = 0.0
+    for members in _snapshot_stage._groups(shards).values():
+        key = _snapshot_stage._key(shards, members)
+        args = [
+            jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=d.sharding)
+            for _, _, d, _ in (shards[k] for k in members)
+        ]
+        cost = _snapshot_stage._program(key).lower(args).compile().cost_analysis()
+        accessed += (cost if isinstance(cost, dict) else cost[0])["bytes accessed"]
+    return accessed / (2 * sum(int(d.nbytes) for _, _, d, _ in shards))
+
+
 def snapshot_events(trainer) -> tuple[int, int]:
     """How many snapshots ``trainer`` took and skipped (its ``snapshot`` and ``snapshot_skipped`` events)."""
     lines = trainer.observer.metrics_path.read_text().splitlines()
@@ -81,6 +101,7 @@ def main() -> None:
     taken, skipped = snapshot_events(built[1][0])
     on_path, background = where_the_time_goes(built[0][0].hooks.states())
     own = snapshot_own_bytes(built[10][0].states)
+    traffic = stage_traffic(built[0][0].hooks.states())
     result = {
         "benchmark": "bench_snapshot",
         "machine": machine(),
@@ -94,6 +115,7 @@ def main() -> None:
         "ratios_every_10_by_round": [round(r, 4) for r in ratios[10]],
         "snapshot_ms_on_the_steps_path": round(on_path, 2),
         "snapshot_ms_in_the_background": round(background, 2),
+        "stage_bytes_over_one_read_and_write": round(traffic, 3),
         "snapshots_taken_every_1": taken,
         "snapshots_skipped_every_1": skipped,
         "target_ratio_every_10": 1.02,

@@ -234,10 +234,39 @@ def check_gpu(result):
     assert parts["init_bits"]["arrays"] > 0
     # the step's compile split into JAX's phases (tracing, lowering, XLA's compile): what dominates it
     assert set(step["step_compile_phases_s"]) >= {"jaxpr_trace", "jaxpr_to_mlir_module", "backend_compile"}
+    # snapshots every 10 and 100 against none, and what the stage programs read and write
+    snaps = parts["snapshots"]
+    assert summary["snapshot_ratio"] == {"10": snaps["every_10"]["ratio"], "100": snaps["every_100"]["ratio"]}
+    assert snaps["every_10"]["taken"] > 0 and summary["snapshot_stage_bytes_over_one_read_and_write"] >= 1.0
+
+
+def check_snapshot(r):
+    ratio_of(r, "ratio_every_10", "step_ms_every_10", "step_ms_no_snapshot")
+    assert r["snapshot_bytes_per_process"] > 0 and r["snapshots_taken_every_1"] > 0
+    assert r["snapshot_ms_on_the_steps_path"] > 0 and r["snapshot_ms_in_the_background"] >= 0
+    # XLA's bytes accessed by the stage programs (a GPU's and a TPU's first move): at least a read and a write
+    assert r["stage_bytes_over_one_read_and_write"] >= 1.0
+
+
+def check_recovery(r):
+    # the same kill, recovered from the last checkpoint and from the in-memory snapshots: the snapshot run
+    # resumes from a newer step (snapshots every 2 steps, checkpoints every 4), with each phase timed
+    ckpt, snap = r["checkpoint"], r["snapshot"]
+    assert ckpt["source"] == "checkpoint" and snap["source"] == "snapshot"
+    assert snap["restored_step"] > ckpt["restored_step"] and snap["steps_lost"] < ckpt["steps_lost"]
+    assert snap["snapshot_bytes_per_process"] > 0 == ckpt["snapshot_bytes_per_process"]
+    for run in (ckpt, snap):
+        phases = ("detection_s", "relaunch_s", "read_reshard_s", "compile_s", "first_step_s")
+        assert run["death_to_first_step_s"] == pytest.approx(sum(run[p] for p in phases), abs=2e-3)
+    assert r["ratio_death_to_first_step"] == pytest.approx(
+        snap["death_to_first_step_s"] / ckpt["death_to_first_step_s"], abs=1e-3
+    )
 
 
 BENCHMARKS = {
     "create": check_create,
+    "recovery": check_recovery,
+    "snapshot": check_snapshot,
     "gpu": check_gpu,
     "resize_hosts": check_resize_hosts,
     "suggest": check_suggest,
