@@ -231,7 +231,12 @@ def compile_ahead(targets: Sequence[Any]) -> threading.Thread | None:
     work = {}
     for x in targets:
         sharding = getattr(x, "sharding", None)
-        if not isinstance(sharding, NamedSharding) or _platform(x) == "cpu" or is_key(x):
+        if (
+            not isinstance(sharding, NamedSharding)
+            or _platform(x) == "cpu"
+            or is_key(x)
+            or _signature(x) in work
+        ):
             continue
         if math.prod(x.shape) * jnp.dtype(x.dtype).itemsize > SMALL_BYTES and _by_shard(x):
             work[_signature(x)] = (_shard_program(x.shape, x.dtype, sharding, False), (x,))

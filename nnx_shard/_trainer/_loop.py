@@ -112,6 +112,10 @@ class TrainingLoop:
             )
         self.batches, self._recovered = batches, False
         snapshots = self.recovery.start_snapshots()  # refuses to start without the memory they need
+        if (
+            self.checkpointer is not None
+        ):  # a verified save's programs (GPUs, TPUs), compiled beside the steps
+            self.checkpointer.prepare(self.recovery.hooks.states())
         self.stop_reason, self._stop_request = None, None
         previous = self._install_sigterm()
         history: list[dict[str, float]] = []

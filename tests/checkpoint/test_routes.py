@@ -205,3 +205,29 @@ def test_a_verified_read_compiles_its_fused_programs_ahead_and_uses_them(tmp_pat
     assert started and len(fp._AHEAD) == 1  # the kernel's signature (the bias is summed on the host)
     assert calls == [False]  # lowered once, for the compile ahead; the verification ran the executable
     assert fp._fingerprints([hooks.states()["model"]["kernel"].get_value()]) == jitted
+
+
+def test_a_trainers_first_save_runs_fingerprint_programs_compiled_as_the_run_started(tmp_path, monkeypatch):
+    """As on a GPU: ``train()`` starts compiling a verified save's fingerprint programs beside the first steps
+    (``Checkpointer.prepare``); the save then runs those executables, compiling nothing, and its
+    fingerprints are the jitted programs'."""
+    from nnx_shard._checkpoint import tree_fingerprints
+    from tests.apps.trainer_app import RegressionTrainer, config
+
+    monkeypatch.setattr(fp, "IN_PLACE", False)
+    monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
+    monkeypatch.setattr(fp, "_AHEAD", CompiledAhead("fingerprint"))
+    calls = []
+    real_program = fp._shard_program
+    monkeypatch.setattr(fp, "_shard_program", lambda *a: calls.append(a[3]) or real_program.__wrapped__(*a))
+    trainer = RegressionTrainer(config(str(tmp_path / "run"), width=1024, save_every=2, async_save=False))
+    rows = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    batch = {"x": jnp.asarray(rows), "y": jnp.asarray(rows[:, :1])}
+    trainer.train(lambda step: batch, steps=2)
+    # l2's kernel (1024 x 1024) in model, adamw's two moments and EMA: one signature; the rest: on the host
+    assert len(fp._AHEAD) == 1 and calls == [False]  # lowered once, ahead; the save ran the executable
+    assert trainer.checkpointer.latest_step() == 2
+    saved = trainer.checkpointer.metadata(2)["fingerprints"]
+    fp._AHEAD.clear()  # the state saved at step 2, fingerprinted again by the plain jitted program
+    again = {k: v for k, v in tree_fingerprints(trainer.hooks.states()).items() if k in saved}
+    assert again == saved and len(saved) > 10
