@@ -178,9 +178,8 @@ class Checkpointer:
         >>> ckpt.save(1, {"model": model}), ckpt.close()
         (True, None)
         """
-        if self.verify:
-            states, _ = storable(as_state(dict(objects))[0])
-            self._ahead = compile_ahead(jax.tree.leaves(states))
+        if self.verify:  # the leaves as they are (a save's storable form differs in keys only: small arrays)
+            self._ahead = compile_ahead(jax.tree.leaves(as_state(dict(objects))[0]))
 
     def save(
         self,
