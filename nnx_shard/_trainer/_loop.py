@@ -84,6 +84,7 @@ class TrainingLoop:
         self._preempted = False
         self._recovered = False  # this call ran a restarted job's first step
         self._recovery_done = False  # a restarted job's first step ran (in this call or an earlier one)
+        self._prepared_mesh: Any = None  # the mesh whose save programs the checkpointer was asked to compile
 
     @property
     def checkpointer(self) -> Checkpointer | None:
@@ -112,10 +113,10 @@ class TrainingLoop:
             )
         self.batches, self._recovered = batches, False
         snapshots = self.recovery.start_snapshots()  # refuses to start without the memory they need
-        if (
-            self.checkpointer is not None
-        ):  # a verified save's programs (GPUs, TPUs), compiled beside the steps
-            self.checkpointer.prepare(self.recovery.hooks.states())
+        hooks = self.recovery.hooks
+        if self.checkpointer is not None and self._prepared_mesh is not hooks.mesh:  # once per mesh
+            self.checkpointer.prepare(hooks.states())  # a verified save's programs, compiled beside the steps
+            self._prepared_mesh = hooks.mesh
         self.stop_reason, self._stop_request = None, None
         previous = self._install_sigterm()
         history: list[dict[str, float]] = []
