@@ -544,11 +544,12 @@ def part_snapshots(s: dict, work: Path) -> dict:
             "skipped": skipped,
         }
     out["step_ms_no_snapshot"] = round(1e3 * statistics.median(times[0]), 3)
-    on_path, background = where_the_time_goes(built[0][0].hooks.states())
+    states = built[0][0].hooks.states()
+    on_path, background = where_the_time_goes(states)
     out.update(
         snapshot_ms_on_the_steps_path=round(on_path, 2),
         snapshot_ms_in_the_background=round(background, 2),
-        stage_bytes_over_one_read_and_write=round(stage_traffic(built[0][0].hooks.states()), 3),
+        stage_bytes_over_one_read_and_write=round(stage_traffic(states), 3),
     )
     for trainer, _ in built.values():  # the snapshots in host memory go with the part
         shutil.rmtree(trainer.config.snapshot_dir, ignore_errors=True)

@@ -67,13 +67,8 @@ def stage_traffic(states) -> float:
     GPUs and TPUs), over one read and one write of the shards: 1.0 when each shard is read once."""
     shards = _snapshot_file.own_shards(states)
     accessed = 0.0
-    for members in _snapshot_stage._groups(shards).values():
-        key = _snapshot_stage._key(shards, members)
-        args = [
-            jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=d.sharding)
-            for _, _, d, _ in (shards[k] for k in members)
-        ]
-        cost = _snapshot_stage._program(key).lower(args).compile().cost_analysis()
+    for program, args in _snapshot_stage.stage_programs(shards).values():
+        cost = program.lower(*args).compile().cost_analysis()
         accessed += (cost if isinstance(cost, dict) else cost[0])["bytes accessed"]
     return accessed / (2 * sum(int(d.nbytes) for _, _, d, _ in shards))
 
@@ -99,9 +94,10 @@ def main() -> None:
     ratios = {every: [t / t0 for t, t0 in zip(times[every], times[0], strict=True)] for every in (10, 1)}
     ms = {every: statistics.median(t) * 1e3 for every, t in times.items()}
     taken, skipped = snapshot_events(built[1][0])
-    on_path, background = where_the_time_goes(built[0][0].hooks.states())
+    states = built[0][0].hooks.states()
+    on_path, background = where_the_time_goes(states)
     own = snapshot_own_bytes(built[10][0].states)
-    traffic = stage_traffic(built[0][0].hooks.states())
+    traffic = stage_traffic(states)
     result = {
         "benchmark": "bench_snapshot",
         "machine": machine(),

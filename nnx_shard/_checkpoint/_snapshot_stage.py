@@ -122,6 +122,20 @@ def has_room(shards: Sequence[Shard]) -> bool:
     return True
 
 
+def stage_programs(shards: Sequence[Shard]) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
+    """``{(device, layout): (jitted program, abstract arguments)}``: what each device runs to stage
+    ``shards``, ready to compile (the arguments hold no buffer of the live state)."""
+
+    def abstract(data: jax.Array) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+
+    work = {}
+    for device, members in _groups(shards).items():
+        key = _key(shards, members)
+        work[(device, key)] = (_program(key), ([abstract(shards[k][2]) for k in members],))
+    return work
+
+
 @dataclasses.dataclass
 class Staged:
     """A snapshot's copies: each shard's chunks (with their byte offsets in it), in the shards' order, and
@@ -172,15 +186,7 @@ class Staging:
 
     def prepare(self, shards: Sequence[Shard]) -> None:
         """Compiles each device's program for ``shards``' layout in a thread (:class:`CompiledAhead`)."""
-
-        def abstract(data: jax.Array) -> jax.ShapeDtypeStruct:  # holds no buffer of the live state
-            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
-
-        work = {}
-        for device, members in _groups(shards).items():
-            key = _key(shards, members)
-            work[(device, key)] = (_program(key), ([abstract(shards[k][2]) for k in members],))
-        self._thread = _COMPILED.start(work)
+        self._thread = _COMPILED.start(stage_programs(shards))
 
     def stage(self, shards: Sequence[Shard]) -> Staged | None:
         """Queues each device's copies and shares; None where a device lacks room for them."""
