@@ -59,7 +59,7 @@ from nnx_shard._base._specs import (
     spec_problems,
     trim_spec,
 )
-from nnx_shard._base._threads import in_threads
+from nnx_shard._base._threads import Worker, in_threads
 from nnx_shard._base._training_state import (
     EMA,
     MODEL,
@@ -87,6 +87,7 @@ __all__ = [
     "Spec",
     "SpecEntry",
     "TrainingState",
+    "Worker",
     "abstract_construction",
     "as_state",
     "assemble",

@@ -1,8 +1,9 @@
-"""The work split that snapshot copies and fingerprints share: every item once, in order, balanced."""
+"""The work split that snapshot copies and fingerprints share: every item once, in order, balanced; the
+worker a snapshot writer hands its background work to."""
 
 import threading
 
-from nnx_shard._base import in_threads
+from nnx_shard._base import Worker, in_threads
 from nnx_shard._base._threads import balanced_shares
 
 
@@ -25,3 +26,29 @@ def test_shares_are_balanced_by_size():
     assert sorted(k for share in shares for k in share) == list(range(len(sizes)))
     loads = [sum(sizes[k] for k in share) for share in shares]
     assert abs(loads[0] - loads[1]) <= 10  # 221 split 111 / 110, where in order it would be 190 / 31
+
+
+def test_a_worker_runs_its_jobs_in_turn_on_one_thread_and_submitting_does_not_wait_for_them():
+    worker, go, ran = Worker("test"), threading.Event(), []
+    first = worker.submit(lambda: go.wait(10) and ran.append(("first", threading.get_ident())))
+    second = worker.submit(lambda: ran.append(("second", threading.get_ident())))
+    assert not first.is_set() and not second.is_set() and ran == []  # both queued, the first still waiting
+    go.set()
+    assert second.wait(10) and first.is_set()
+    assert [name for name, _ in ran] == ["first", "second"]
+    assert ran[0][1] == ran[1][1] != threading.get_ident()  # one thread, not the caller's
+
+
+def test_a_job_that_raises_is_done_and_the_next_job_runs_on_a_new_thread(monkeypatch):
+    worker, where, raised = Worker("test"), [], []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(str(args.exc_value)))
+
+    def fail():
+        where.append(threading.get_ident())
+        raise RuntimeError("a bug in a background job")
+
+    assert worker.submit(fail).wait(10)
+    worker._thread.join(10)  # the exception ends the thread, reported as a thread's
+    assert raised == ["a bug in a background job"] and not worker._thread.is_alive()
+    assert worker.submit(lambda: where.append(threading.get_ident())).wait(10)
+    assert len(where) == 2 and worker._thread.is_alive()
