@@ -10,7 +10,8 @@ snapshot_every=10 costs at most 2%.
 Where a snapshot's time goes is measured apart, on the same state: the copy made
 on the step's path (CPU devices: straight into the snapshot file, before the next
 step may donate the buffers) and the work left to a background thread beside
-the next steps (each piece's fingerprint share, the header). At snapshot_every=1
+the next steps (each piece's fingerprint share, the header), each phase timed
+(``SnapshotWriter.phases``). At snapshot_every=1
 a snapshot still being written when the next is due is skipped: the count is
 reported. On GPUs and TPUs a snapshot starts with one program per device that
 copies its shards and sums their fingerprint shares (``_snapshot_stage``):
@@ -45,12 +46,14 @@ def build(width, depth, rows, every):
     return trainer, batch
 
 
-def where_the_time_goes(states, repeats: int = 5) -> tuple[float, float]:
-    """(ms on the step's path, ms in the background) of one snapshot of ``states``, best of ``repeats``."""
+def where_the_time_goes(states, repeats: int = 5) -> dict[str, object]:
+    """One snapshot of ``states``, ``repeats`` times: ms on the step's path and in the background (the best
+    of each), and each phase's ms (the median; ``SnapshotWriter.phases``), on the path and in the
+    background."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # host memory, as the Trainer's snapshots
     writer = SnapshotWriter(tempfile.mkdtemp(prefix="bench_snapshot_", dir=shm), keep=2)
     writer.prepare(states)
-    on_path, total = [], []
+    on_path, total, phases = [], [], []
     for k in range(repeats):
         jax.block_until_ready(states)
         began = time.perf_counter()
@@ -58,8 +61,20 @@ def where_the_time_goes(states, repeats: int = 5) -> tuple[float, float]:
         on_path.append(time.perf_counter() - began)
         writer.wait()
         total.append(time.perf_counter() - began)
+        phases.append(writer.phases)
     writer.close(remove=True)
-    return min(on_path) * 1e3, (min(total) - min(on_path)) * 1e3
+    by_phase = {
+        where: {
+            name: round(1e3 * statistics.median(p[where].get(name, 0.0) for p in phases), 3)
+            for name in phases[-1][where]
+        }
+        for where in phases[-1]
+    }
+    return {
+        "on_path_ms": min(on_path) * 1e3,
+        "background_ms": (min(total) - min(on_path)) * 1e3,
+        "phases_ms": by_phase,
+    }
 
 
 def stage_traffic(states) -> float:
@@ -95,7 +110,7 @@ def main() -> None:
     ms = {every: statistics.median(t) * 1e3 for every, t in times.items()}
     taken, skipped = snapshot_events(built[1][0])
     states = built[0][0].hooks.states()
-    on_path, background = where_the_time_goes(states)
+    where = where_the_time_goes(states)
     own = snapshot_own_bytes(built[10][0].states)
     traffic = stage_traffic(states)
     result = {
@@ -109,8 +124,9 @@ def main() -> None:
         "ratio_every_10": round(statistics.median(ratios[10]), 4),
         "ratio_every_1": round(statistics.median(ratios[1]), 4),
         "ratios_every_10_by_round": [round(r, 4) for r in ratios[10]],
-        "snapshot_ms_on_the_steps_path": round(on_path, 2),
-        "snapshot_ms_in_the_background": round(background, 2),
+        "snapshot_ms_on_the_steps_path": round(where["on_path_ms"], 2),
+        "snapshot_ms_in_the_background": round(where["background_ms"], 2),
+        "snapshot_phases_ms": where["phases_ms"],
         "stage_bytes_over_one_read_and_write": round(traffic, 3),
         "snapshots_taken_every_1": taken,
         "snapshots_skipped_every_1": skipped,

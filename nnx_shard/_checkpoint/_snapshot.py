@@ -41,6 +41,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_shard._base import Worker
 from nnx_shard._checkpoint._fingerprint_shares import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
@@ -66,6 +68,19 @@ from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
 DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
+
+
+class Laps(dict):
+    """Seconds by phase: each :meth:`lap` adds the time since the one before (or since it was made)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._at = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self[name] = self.get(name, 0.0) + now - self._at
+        self._at = now
 
 
 def default_snapshot_dir(job: str) -> Path:
@@ -151,6 +166,8 @@ class _Snapshot:
     pages: np.ndarray | None = None
     shares: list[Any] | None = None  # each piece's fingerprint share, computed on its device (GPUs, TPUs)
     staged: Staged | None = None  # the devices' own copies, and their shares (GPUs, TPUs with room)
+    on_path: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by phase
+    background: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class SnapshotWriter:
@@ -160,7 +177,8 @@ class SnapshotWriter:
     ``write`` starts a snapshot and returns; with several processes, ``poll``
     before the next step sends the copy to the peer (every process calls both at
     the same steps). ``wait`` finishes the snapshot in flight; ``skipped`` counts
-    the snapshots not taken because one was still being written.
+    the snapshots not taken because one was still being written, and
+    :attr:`phases` says where the last finished one's time went.
     """
 
     def __init__(
@@ -178,12 +196,14 @@ class SnapshotWriter:
         self.dest = peers(all_domains)
         self.folder = snapshot_folder(self.directory, run, jax.process_index())
         self._discard = list(discard)  # folders of the run before, removed once this run has a snapshot
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("nnx_shard-snapshot")  # the background work, one job at a time
+        self._job: threading.Event | None = None  # set once the job in flight is done
         self._current: _Snapshot | None = None  # the snapshot being written
         self.skipped = 0
         self.last_bytes = (0, 0)
         self._premapped: tuple[int, np.ndarray] | None = None  # (inode, pages) of the file the next reuses
         self._staging = Staging()
+        self._finished: _Snapshot | None = None  # the last snapshot whose write ended
 
     def prepare(self, states: Any) -> None:
         """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs): the
@@ -212,7 +232,7 @@ class SnapshotWriter:
     def in_flight(self) -> int | None:
         """The step of the snapshot still being written here (None when none is)."""
         current = self._current
-        if current is None or (current.exchanged and (self._thread is None or not self._thread.is_alive())):
+        if current is None or (current.exchanged and (self._job is None or self._job.is_set())):
             return None
         return current.step
 
@@ -231,28 +251,46 @@ class SnapshotWriter:
             self.skipped += 1
             return False
         self.wait()
+        laps = Laps()
         shards = own_shards(states)
         pieces, size = layout(shards)
+        laps.lap("layout")
         folder = self._reuse(step)
+        laps.lap("folder")
         staged = self._staging.stage(shards) if _accelerated(shards) else None
         # copied within each device's memory (GPUs, TPUs with room): the next step may donate at once
         sources = None if staged is not None else [host_memory(d) for _, _, d, _ in shards]
-        snapshot = _Snapshot(step, folder, pieces, size, sources, data_state, staged=staged)
+        laps.lap("stage" if staged is not None else "to_host_started")
+        snapshot = _Snapshot(step, folder, pieces, size, sources, data_state, staged=staged, on_path=laps)
         if sources is not None and any(s is d for s, (_, _, d, _) in zip(sources, shards, strict=True)):
             # shards with no copy under way (CPU devices, whose memory is the host's; devices without host
             # memory kinds): copied now, before the next step may donate them
             snapshot.pages = self._pages(folder / "own.bin", size)  # summed from in the background
             copy_in(snapshot.pages, pieces, snapshot.sources)
             snapshot.sources = None
+            laps.lap("copy")
         elif staged is None:  # the shares summed by the devices, queued before the next step
             snapshot.shares = device_shares(
                 [(d, [a for a, _ in index], shape) for _, index, d, shape in shards]
             )
+            laps.lap("shares_started")
         snapshot.exchanged = jax.process_count() == 1  # one process is its own peer
         self._current = snapshot
         self.last_bytes = (size, self.last_bytes[1] if jax.process_count() > 1 else size)
         self._start(self._seal, snapshot)
+        laps.lap("thread")
         return True
+
+    @property
+    def phases(self) -> dict[str, dict[str, float]]:
+        """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``layout``, ``folder``,
+        then ``stage`` on GPUs and TPUs, ``to_host_started`` and ``copy`` or ``shares_started`` elsewhere,
+        ``thread``; ``exchange`` with several processes) and ``in_the_background`` (``map``, ``to_host``,
+        ``shares``, ``header``, ``peer``, ``publish``). Empty before the first."""
+        done = self._finished
+        if done is None:
+            return {}
+        return {"on_the_steps_path": dict(done.on_path), "in_the_background": dict(done.background)}
 
     def poll(self, step: int) -> None:
         """Before the step after ``step``, on every process: the snapshot of ``step`` or an earlier one,
@@ -279,13 +317,12 @@ class SnapshotWriter:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _start(self, target: Any, *args: Any) -> None:
-        self._thread = threading.Thread(target=target, args=args, daemon=True)
-        self._thread.start()
+        self._job = self._worker.submit(target, *args)
 
     def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._job is not None:
+            self._job.wait()
+            self._job = None
 
     def _reuse(self, step: int) -> Path:
         """The folder the snapshot of ``step`` is written in: the oldest kept one's (its pages already
@@ -328,26 +365,33 @@ class SnapshotWriter:
     def _seal(self, snapshot: _Snapshot) -> None:
         """In the background: copies the shards (when they were not copied at the step), sums each piece,
         writes the header; with one process, the snapshot is then complete."""
+        laps = Laps()
         try:
             own = snapshot.folder / "own.bin"
             buf = snapshot.pages if snapshot.pages is not None else mapped(own, snapshot.size)
             snapshot.pages = None  # unmapped with buf
+            laps.lap("map")
             if snapshot.staged is not None:  # the devices' own copies, now to the host
                 snapshot.staged.write_into(buf, snapshot.pieces)
             if snapshot.sources is not None:
                 copy_in(buf, snapshot.pieces, snapshot.sources)  # waits for the copies to host memory
                 snapshot.sources = None
+            laps.lap("to_host")
             shares = None if snapshot.shares is None else [int(x) for x in snapshot.shares]
             if snapshot.staged is not None:
                 shares, snapshot.staged = snapshot.staged.share_values(), None
             snapshot.shares = None
+            laps.lap("shares")  # the devices' (waited for); summed from the bytes in header_bytes otherwise
             header = header_bytes(buf, snapshot.step, snapshot.pieces, snapshot.data_state, shares)
+            laps.lap("shares" if shares is None else "header")
             buf[:HEADER] = np.frombuffer(snapshot.size.to_bytes(HEADER, "little"), np.uint8)
             del buf
             with open(own, "r+b") as f:
                 f.seek(snapshot.size)
                 f.write(header)
                 f.truncate(snapshot.size + len(header))
+            laps.lap("header")
+            snapshot.background = laps
             if snapshot.exchanged:
                 self._publish(snapshot, None)
         except (OSError, jax.errors.JaxRuntimeError) as e:  # a full disk; no host memory for a transfer
@@ -359,13 +403,17 @@ class SnapshotWriter:
         self._join()  # the own file is packed
         own = snapshot.folder / "own.bin"
         buf = np.memmap(own, np.uint8, "r") if snapshot.error is None else np.zeros(HEADER, np.uint8)
+        began = time.perf_counter()
         sent = exchange(buf, self.dest)
+        snapshot.on_path["exchange"] = time.perf_counter() - began  # queued before the next step
         snapshot.exchanged = True
         self._start(self._receive, snapshot, sent)
 
     def _receive(self, snapshot: _Snapshot, sent: Any) -> None:
         try:
+            began = time.perf_counter()
             peer = received(sent)
+            snapshot.background["peer"] = time.perf_counter() - began
             self.last_bytes = (self.last_bytes[0], int(peer.size))
             if snapshot.error is None:
                 self._publish(snapshot, peer)
@@ -375,6 +423,7 @@ class SnapshotWriter:
     def _publish(self, snapshot: _Snapshot, peer: np.ndarray | None) -> None:
         """Writes the peer's copy (when another process's), renames the folder ``step-N``, drops older
         ones."""
+        began = time.perf_counter()
         tmp, final = snapshot.folder, self.folder / f"step-{snapshot.step}"
         stale = set(tmp.glob("peer-*.bin"))
         if peer is not None:
@@ -396,3 +445,5 @@ class SnapshotWriter:
             shutil.rmtree(old, ignore_errors=True)
         self._discard = []
         self._premap(snapshot.size)
+        snapshot.background["publish"] = time.perf_counter() - began
+        self._finished = snapshot

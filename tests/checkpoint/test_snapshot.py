@@ -213,6 +213,47 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     whole = assemble(pieces, {p["path"]: p["shape"] for p in header["pieces"]})
     for path, value in states.items():
         np.testing.assert_array_equal(whole[path], np.asarray(value))
+    # the step queued the devices' programs; the copies left for the host, and the shares were read, after
+    phases = writer.phases
+    assert list(phases["on_the_steps_path"]) == ["layout", "folder", "stage", "thread"]
+    assert list(phases["in_the_background"]) == ["map", "to_host", "shares", "header", "publish"]
+    writer.close(remove=True)
+
+
+def test_a_snapshots_phases_say_where_its_time_went(tmp_path, monkeypatch):
+    """``SnapshotWriter.phases``: the last finished snapshot's seconds by phase, on the step's path and in the
+    background. A slow phase shows where it is: here the shares, which the CPU sums from the bytes."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnx_shard._checkpoint import _snapshot
+    from tests.helpers import mesh_of
+
+    states = {"w": jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh_of("8"), PartitionSpec("fsdp")))}
+    real = _snapshot.header_bytes
+
+    def slow(*args):
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(_snapshot, "header_bytes", slow)
+    writer = _snapshot.SnapshotWriter(tmp_path / "snap")
+    assert writer.phases == {}  # none finished yet
+    began = time.perf_counter()
+    writer.write(1, states)
+    on_path = time.perf_counter() - began
+    writer.wait()
+    total = time.perf_counter() - began
+    on, background = writer.phases["on_the_steps_path"], writer.phases["in_the_background"]
+    # CPU devices: the step copies into the file (before the next step may donate the buffers)
+    assert list(on) == ["layout", "folder", "to_host_started", "copy", "thread"]
+    assert list(background) == ["map", "to_host", "shares", "header", "publish"]
+    assert all(v >= 0 for v in [*on.values(), *background.values()])
+    assert sum(on.values()) <= on_path and sum(background.values()) <= total
+    assert max(background, key=background.get) == "shares" and background["shares"] >= 0.3
     writer.close(remove=True)
 
 
