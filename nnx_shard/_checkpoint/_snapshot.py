@@ -55,12 +55,11 @@ from nnx_shard._base import Worker
 from nnx_shard._checkpoint._fingerprint_shares import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
+    Layouts,
     copy_in,
     header_bytes,
     host_memory,
-    layout,
     mapped,
-    own_shards,
 )
 from nnx_shard._checkpoint._snapshot_stage import Staged, Staging
 from nnx_shard._cluster import gather_json, process_mesh
@@ -203,12 +202,13 @@ class SnapshotWriter:
         self.last_bytes = (0, 0)
         self._premapped: tuple[int, np.ndarray] | None = None  # (inode, pages) of the file the next reuses
         self._staging = Staging()
+        self._layouts = Layouts()  # the last state's layout, remembered
         self._finished: _Snapshot | None = None  # the last snapshot whose write ended
 
     def prepare(self, states: Any) -> None:
         """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs): the
         first snapshot then dispatches and returns."""
-        shards = own_shards(states)
+        shards = self._layouts(states)[0]  # remembered for the first snapshot
         if _accelerated(shards):
             self._staging.prepare(shards)
 
@@ -252,12 +252,11 @@ class SnapshotWriter:
             return False
         self.wait()
         laps = Laps()
-        shards = own_shards(states)
-        pieces, size = layout(shards)
+        shards, pieces, size, key = self._layouts(states)
         laps.lap("layout")
         folder = self._reuse(step)
         laps.lap("folder")
-        staged = self._staging.stage(shards) if _accelerated(shards) else None
+        staged = self._staging.stage(shards, key) if _accelerated(shards) else None
         # copied within each device's memory (GPUs, TPUs with room): the next step may donate at once
         sources = None if staged is not None else [host_memory(d) for _, _, d, _ in shards]
         laps.lap("stage" if staged is not None else "to_host_started")

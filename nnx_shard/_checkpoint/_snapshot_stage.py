@@ -109,10 +109,10 @@ def _key(shards: Sequence[Shard], members: Sequence[int]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def has_room(shards: Sequence[Shard]) -> bool:
+def has_room(shards: Sequence[Shard], groups: dict[Any, list[int]] | None = None) -> bool:
     """Whether every device's allocator has room for copies of its shards (False where it keeps no
-    statistics: the CPU)."""
-    for device, members in _groups(shards).items():
+    statistics: the CPU); ``groups``, the shards' positions by device, when known."""
+    for device, members in (groups if groups is not None else _groups(shards)).items():
         stats = device.memory_stats() if device.platform != "cpu" else None
         if not stats or "bytes_limit" not in stats:
             return False
@@ -177,22 +177,50 @@ def _land(buf: np.ndarray, offset: int, host: Any) -> None:
     buf[HEADER + offset : HEADER + offset + raw.size] = raw
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What staging a layout takes: each device's shards, its program's key and each shard's chunk offsets;
+    the programs once looked up."""
+
+    groups: dict[Any, list[int]]
+    work: list[tuple[Any, list[int], Any, list[list[int]]]]  # device, members, program key, offsets
+    programs: list[Any] | None = None
+
+
+def _plan(shards: Sequence[Shard]) -> _Plan:
+    work = []
+    groups = _groups(shards)
+    for device, members in groups.items():
+        key = _key(shards, members)
+        offsets = [
+            [r.start * _row_bytes(tuple(shards[k][2].shape), shards[k][2].dtype.itemsize) for r in rows]
+            for k, (_, _, rows) in zip(members, key, strict=True)
+        ]
+        work.append((device, members, key, offsets))
+    return _Plan(groups, work)
+
+
 class Staging:
     """Stages snapshots (:meth:`stage`); :meth:`prepare` compiles the programs ahead, in the background."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._told = False  # that a device lacked the room (once)
+        self._last: tuple[Any, _Plan] | None = None  # the last layout's key and plan
 
     def prepare(self, shards: Sequence[Shard]) -> None:
         """Compiles each device's program for ``shards``' layout in a thread (:class:`CompiledAhead`)."""
         self._thread = _COMPILED.start(stage_programs(shards))
 
-    def stage(self, shards: Sequence[Shard]) -> Staged | None:
-        """Queues each device's copies and shares; None where a device lacks room for them."""
+    def stage(self, shards: Sequence[Shard], layout: Any = None) -> Staged | None:
+        """Queues each device's copies and shares; None where a device lacks room for them. ``layout``, the
+        key of ``shards``' layout (:class:`Layouts`), lets a snapshot laid out as the last reuse its plan."""
         if not shards:
             return None
-        if not has_room(shards):
+        if layout is None or self._last is None or self._last[0] != layout:
+            self._last = (layout, _plan(shards))
+        plan = self._last[1]
+        if not has_room(shards, plan.groups):
             if not self._told:
                 self._told = True
                 logger.info("snapshots copy from the live buffers: a device lacks room for their copies")
@@ -200,15 +228,13 @@ class Staging:
         if self._thread is not None:  # the programs compiled ahead (long done by the first snapshot)
             self._thread.join()
             self._thread = None
+        if plan.programs is None:
+            plan.programs = [_COMPILED.get((d, key)) or _program(key) for d, _, key, _ in plan.work]
         chunks: list[Any] = [None] * len(shards)
         shares = []
-        for device, members in _groups(shards).items():
-            key = _key(shards, members)
-            program = _COMPILED.get((device, key)) or _program(key)
+        for program, (_, members, _, offsets) in zip(plan.programs, plan.work, strict=True):
             out, values = program([shards[k][2] for k in members])
-            for k, pieces, (_, _, rows) in zip(members, out, key, strict=True):
-                data = shards[k][2]
-                row = _row_bytes(tuple(data.shape), data.dtype.itemsize)
-                chunks[k] = [(r.start * row, c) for r, c in zip(rows, pieces, strict=True)]
+            for k, pieces, at in zip(members, out, offsets, strict=True):
+                chunks[k] = list(zip(at, pieces, strict=True))
             shares.append((values, members))
         return Staged(chunks, shares)

@@ -178,7 +178,7 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
         "n": jax.device_put(jnp.arange(16, dtype=jnp.int8), NamedSharding(mesh, PartitionSpec("fsdp"))),
     }
     monkeypatch.setattr(_snapshot, "_accelerated", lambda shards: True)
-    monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards: True)
+    monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards, groups=None: True)
     monkeypatch.setattr(_snapshot, "device_shares", lambda blocks: pytest.fail("not staged"))
     monkeypatch.setattr(_snapshot_stage, "_COMPILED", CompiledAhead("snapshot"))
     monkeypatch.setattr(_snapshot_stage, "CHUNK_BYTES", 3 * 64 * 4)  # w's shards leave in 3 + 3 + 2 rows
@@ -191,8 +191,8 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     assert again._staging._thread is None  # a later train() call's writer finds them
     made = []  # what each staging queued, read before the background sends (and drops) the chunks
 
-    def stage(self, shards, real=_snapshot_stage.Staging.stage):
-        staged = real(self, shards)
+    def stage(self, shards, layout=None, real=_snapshot_stage.Staging.stage):
+        staged = real(self, shards, layout)
         made.append([[(at, c.unsafe_buffer_pointer()) for at, c in chunks] for chunks in staged.chunks])
         return staged
 
@@ -205,19 +205,68 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     for chunks, (_, _, data, _) in zip(made[0], shards, strict=True):
         assert all(pointer != data.unsafe_buffer_pointer() for _, pointer in chunks)  # copies
     writer.wait()
-    header, pieces = _snapshot_file.unpack(np.fromfile(writer.folder / "step-3" / "own.bin", np.uint8))
-    sums = {}
-    for p in header["pieces"]:
-        sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
-    assert {k: f"{v:08x}" for k, v in sums.items()} == tree_fingerprints(states)
-    whole = assemble(pieces, {p["path"]: p["shape"] for p in header["pieces"]})
-    for path, value in states.items():
-        np.testing.assert_array_equal(whole[path], np.asarray(value))
+    # the next snapshot of new values, laid out as the last: the remembered plan, the new bytes and shares
+    later = jax.tree.map(lambda x: (x * 3 + 1).astype(x.dtype), states)
+    assert writer.write(4, later)
+    writer.wait()
+    for step, values in ((3, states), (4, later)):
+        header, pieces = _snapshot_file.unpack(
+            np.fromfile(writer.folder / f"step-{step}" / "own.bin", np.uint8)
+        )
+        sums = {}
+        for p in header["pieces"]:
+            sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
+        assert {k: f"{v:08x}" for k, v in sums.items()} == tree_fingerprints(values)
+        whole = assemble(pieces, {p["path"]: p["shape"] for p in header["pieces"]})
+        for path, value in values.items():
+            np.testing.assert_array_equal(whole[path], np.asarray(value))
     # the step queued the devices' programs; the copies left for the host, and the shares were read, after
     phases = writer.phases
     assert list(phases["on_the_steps_path"]) == ["layout", "folder", "stage", "thread"]
     assert list(phases["in_the_background"]) == ["map", "to_host", "shares", "header", "publish"]
     writer.close(remove=True)
+
+
+def test_a_remembered_layout_gives_the_new_states_shards_and_a_changed_one_is_laid_out_again():
+    """``Layouts``: what ``own_shards`` and ``layout`` give, the shards of the state passed (never the last
+    one's), with one key while the layout stays; a new sharding is laid out again."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_shard._checkpoint import _snapshot_file
+    from tests.helpers import mesh_of
+
+    mesh = mesh_of("8")
+
+    def state(scale, spec=("fsdp",)):
+        w = jax.device_put(jnp.arange(128.0).reshape(16, 8) * scale, NamedSharding(mesh, P(*spec)))
+        b = jax.device_put(jnp.ones(4) * scale, NamedSharding(mesh, P()))  # replicated: one copy
+        return nnx.State({"w": nnx.Param(w), "b": nnx.Param(b), "rng": jax.random.key(scale), "n": 3})
+
+    layouts = _snapshot_file.Layouts()
+    first, second = state(1), state(2)
+    got = [layouts(s) for s in (first, second)]
+    for (shards, pieces, size, _), s in zip(got, (first, second), strict=True):
+        expected = _snapshot_file.own_shards(s)
+        assert [(p, i, sh) for p, i, _, sh in shards] == [(p, i, sh) for p, i, _, sh in expected]
+        for (_, _, data, _), (_, _, want, _) in zip(shards, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(data), np.asarray(want))  # this state's values
+        assert (pieces, size) == _snapshot_file.layout(expected)
+    assert got[0][3] == got[1][3] and got[0][1] is not got[1][1]  # one layout; the pieces new dicts
+    assert [p for p, *_ in got[0][0]].count("b") == 1 and "rng" in [p for p, *_ in got[0][0]]
+    moved = layouts(state(1, (None, "fsdp")))
+    assert moved[3] != got[0][3]
+    assert [i for p, i, *_ in moved[0] if p == "w"] == [[[0, 16], [k, k + 1]] for k in range(8)]
+    # a Variable without a value has no leaf in a plain flatten: the leaves are walked as Variables then
+    for scale in (4, 5):
+        holed = nnx.State({**state(scale), "none": nnx.Param(None)})
+        shards = layouts(holed)[0]
+        assert [np.asarray(d).sum() for *_, d, _ in shards] == [
+            np.asarray(d).sum() for *_, d, _ in _snapshot_file.own_shards(holed)
+        ]
 
 
 def test_a_snapshots_phases_say_where_its_time_went(tmp_path, monkeypatch):
@@ -306,7 +355,7 @@ def test_a_transfer_that_fails_in_the_background_loses_that_snapshot_only(tmp_pa
         "w": jax.device_put(jnp.arange(4096.0).reshape(64, 64), NamedSharding(mesh_of("8"), PartitionSpec()))
     }
     monkeypatch.setattr(_snapshot, "_accelerated", lambda shards: True)
-    monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards: True)
+    monkeypatch.setattr(_snapshot_stage, "has_room", lambda shards, groups=None: True)
     real = _snapshot_stage.host_memory
 
     def refuse(chunk):
