@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from nnx_shard._base import in_threads, is_key, is_variable
+from nnx_shard._base import cached, in_threads, is_key, is_variable
 from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint
 from nnx_shard._checkpoint._format import leaf_paths, storable
 
@@ -169,13 +169,19 @@ def host_memory(data: jax.Array) -> Any:
     device = next(iter(data.devices()))
     if device.platform == "cpu":
         return data
+    pinned = _pinned(device)
+    return data if pinned is None else jax.device_put(data, pinned)
+
+
+@cached(maxsize=None)
+def _pinned(device: Any) -> SingleDeviceSharding | None:
+    """``device``'s ``pinned_host`` memory as a sharding (None where it has none), looked up once: a
+    snapshot's copies leave in many chunks."""
     try:
         kinds = {m.kind for m in device.addressable_memories()}
     except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
         kinds = set()
-    if "pinned_host" not in kinds:
-        return data
-    return jax.device_put(data, SingleDeviceSharding(device, memory_kind="pinned_host"))
+    return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
 
 
 def mapped(path: Path, size: int, *, resize: bool = True) -> np.ndarray:

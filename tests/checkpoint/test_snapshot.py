@@ -375,3 +375,21 @@ def test_a_transfer_that_fails_in_the_background_loses_that_snapshot_only(tmp_pa
     assert header["step"] == 2
     assert {p["path"]: f"{p['share']:08x}" for p in header["pieces"]} == tree_fingerprints(states)
     writer.close(remove=True)
+
+
+def test_a_devices_pinned_host_memory_is_looked_up_once_and_none_where_it_has_none():
+    """The copies of a snapshot leave in many chunks: each device's ``pinned_host`` target is found once."""
+    import jax
+
+    from nnx_shard._checkpoint._snapshot_file import _pinned
+
+    device = jax.devices()[0]
+    pinned = _pinned(device)
+    assert pinned.memory_kind == "pinned_host" and pinned.device_set == {device}
+    assert _pinned(device) is pinned
+
+    class Bare:  # a device that knows no memory kinds: its shards are read where they are
+        def addressable_memories(self):
+            raise NotImplementedError
+
+    assert _pinned(Bare()) is None
