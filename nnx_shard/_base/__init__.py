@@ -19,6 +19,7 @@ from nnx_shard._base._blocks import (
 from nnx_shard._base._bytes import format_bytes, format_table, parse_bytes
 from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, CompiledAhead, cached, clear_caches
 from nnx_shard._base._jax_private import abstract_construction, distributed_client, threefry_kernel
+from nnx_shard._base._laps import Laps
 from nnx_shard._base._mesh import (
     DEFAULT_AXIS_DIMS,
     DEFAULT_AXIS_NAMES,
@@ -83,6 +84,7 @@ __all__ = [
     "CompileClock",
     "CompiledAhead",
     "Kind",
+    "Laps",
     "Leaf",
     "Spec",
     "SpecEntry",

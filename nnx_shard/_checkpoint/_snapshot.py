@@ -51,7 +51,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import Worker
+from nnx_shard._base import Laps, Worker
 from nnx_shard._checkpoint._fingerprint_shares import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
@@ -67,19 +67,6 @@ from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
 DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
-
-
-class Laps(dict):
-    """Seconds by phase: each :meth:`lap` adds the time since the one before (or since it was made)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._at = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self[name] = self.get(name, 0.0) + now - self._at
-        self._at = now
 
 
 def default_snapshot_dir(job: str) -> Path:
@@ -367,7 +354,8 @@ class SnapshotWriter:
         laps = Laps()
         try:
             own = snapshot.folder / "own.bin"
-            buf = snapshot.pages if snapshot.pages is not None else mapped(own, snapshot.size)
+            # mapped on the step's path (CPU devices), or here: the pages the last write mapped for this one
+            buf = snapshot.pages if snapshot.pages is not None else self._pages(own, snapshot.size)
             snapshot.pages = None  # unmapped with buf
             laps.lap("map")
             if snapshot.staged is not None:  # the devices' own copies, now to the host

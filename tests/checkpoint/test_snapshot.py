@@ -209,7 +209,10 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     later = jax.tree.map(lambda x: (x * 3 + 1).astype(x.dtype), states)
     assert writer.write(4, later)
     writer.wait()
-    for step, values in ((3, states), (4, later)):
+    assert writer.write(5, states)  # into step 3's file, its pages mapped when step 4 was done
+    writer.wait()
+    assert sorted(p.name for p in writer.folder.iterdir()) == ["step-4", "step-5"]
+    for step, values in ((4, later), (5, states)):
         header, pieces = _snapshot_file.unpack(
             np.fromfile(writer.folder / f"step-{step}" / "own.bin", np.uint8)
         )
