@@ -272,7 +272,8 @@ class SnapshotWriter:
         """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``layout``, ``folder``,
         then ``stage`` on GPUs and TPUs, ``to_host_started`` and ``copy`` or ``shares_started`` elsewhere,
         ``thread``; ``exchange`` with several processes) and ``in_the_background`` (``map``, ``to_host``,
-        ``shares``, ``header``, ``peer``, ``publish``). Empty before the first."""
+        then ``into_file`` when staged, ``shares``, ``header``, ``peer``, ``publish``). Empty before the
+        first."""
         done = self._finished
         if done is None:
             return {}
@@ -359,7 +360,7 @@ class SnapshotWriter:
             snapshot.pages = None  # unmapped with buf
             laps.lap("map")
             if snapshot.staged is not None:  # the devices' own copies, now to the host
-                snapshot.staged.write_into(buf, snapshot.pieces)
+                snapshot.staged.write_into(buf, snapshot.pieces, laps)
             if snapshot.sources is not None:
                 copy_in(buf, snapshot.pieces, snapshot.sources)  # waits for the copies to host memory
                 snapshot.sources = None

@@ -144,10 +144,12 @@ class Staged:
     chunks: list[list[tuple[int, jax.Array]]]
     shares: list[tuple[jax.Array, list[int]]]
 
-    def write_into(self, buf: np.ndarray, pieces: Sequence[dict[str, Any]]) -> None:
+    def write_into(self, buf: np.ndarray, pieces: Sequence[dict[str, Any]], laps: Any = None) -> None:
         """Moves the chunks to the host into their places in ``buf``, two in flight at a time (in the
         background). A step's own small reads from its devices (its counters, its metrics) queue behind
-        the transfers in flight: two chunks, not the whole snapshot."""
+        the transfers in flight: two chunks, not the whole snapshot. ``laps`` (:class:`Laps`), when given,
+        counts the waits for the transfers (``to_host``) apart from the copies into ``buf``
+        (``into_file``)."""
         queue = collections.deque(
             (pieces[k]["offset"] + at, chunk) for k, chunks in enumerate(self.chunks) for at, chunk in chunks
         )
@@ -158,9 +160,9 @@ class Staged:
             flight.append((offset, host_memory(chunk)))
             del chunk
             if len(flight) == 2:
-                _land(buf, *flight.popleft())
+                _land(buf, *flight.popleft(), laps)
         while flight:
-            _land(buf, *flight.popleft())
+            _land(buf, *flight.popleft(), laps)
 
     def share_values(self) -> list[int]:
         """Each shard's fingerprint share (waits for the devices)."""
@@ -171,10 +173,14 @@ class Staged:
         return [out[k] for k in range(len(out))]
 
 
-def _land(buf: np.ndarray, offset: int, host: Any) -> None:
+def _land(buf: np.ndarray, offset: int, host: Any, laps: Any = None) -> None:
     """Copies a chunk on its way to the host (waits for it) to ``offset`` in the file's shards."""
     raw = np.asarray(host).reshape(-1).view(np.uint8)
+    if laps is not None:
+        laps.lap("to_host")
     buf[HEADER + offset : HEADER + offset + raw.size] = raw
+    if laps is not None:
+        laps.lap("into_file")
 
 
 @dataclasses.dataclass

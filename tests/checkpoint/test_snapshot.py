@@ -226,7 +226,8 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
     # the step queued the devices' programs; the copies left for the host, and the shares were read, after
     phases = writer.phases
     assert list(phases["on_the_steps_path"]) == ["layout", "folder", "stage", "thread"]
-    assert list(phases["in_the_background"]) == ["map", "to_host", "shares", "header", "publish"]
+    # the waits for the transfers apart from the copies into the file
+    assert list(phases["in_the_background"]) == ["map", "to_host", "into_file", "shares", "header", "publish"]
     writer.close(remove=True)
 
 
