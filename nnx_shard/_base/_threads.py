@@ -45,13 +45,14 @@ def in_threads(work: Callable[[int], T], sizes: Sequence[int], *, serial_below: 
 
 
 class Worker:
-    """One daemon thread, started with the first job, that runs the jobs handed to it one after another.
+    """A daemon thread, started with a job, that runs the jobs handed to it one after another and ends
+    once it has had none for ``idle_s`` seconds.
 
     Handing it a job costs a queue put. Starting a thread per job costs the caller
     more: ``Thread.start()`` returns once the new thread has run, and when that
     thread begins with Python work, the caller then waits up to the interpreter's
     switch interval (5 ms) for the GIL. A job that raises ends the thread (the
-    exception is printed, as a thread's); the next job starts another.
+    exception is printed, as a thread's); the jobs after it run on another.
 
     >>> worker = Worker("example")
     >>> ran = []
@@ -60,26 +61,43 @@ class Worker:
     (True, [1])
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, idle_s: float = 10.0) -> None:
         self.name = name
+        self.idle_s = idle_s
         self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], threading.Event]] = (
             queue.SimpleQueue()
         )
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> threading.Event:
         """Queues ``fn(*args)``; the event is set once it has returned or raised."""
         done = threading.Event()
-        self._jobs.put((fn, args, done))
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+        with self._lock:
+            self._jobs.put((fn, args, done))
+            if self._thread is None:
+                self._start()
         return done
 
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
     def _run(self) -> None:
-        while True:
-            fn, args, done = self._jobs.get()
-            try:
-                fn(*args)
-            finally:
-                done.set()
+        try:
+            while True:
+                try:
+                    fn, args, done = self._jobs.get(timeout=self.idle_s)
+                except queue.Empty:
+                    if self._jobs.empty():
+                        return
+                    continue
+                try:
+                    fn(*args)
+                finally:
+                    done.set()
+        finally:  # idle, or a job raised: a job queued meanwhile gets a thread of its own
+            with self._lock:
+                self._thread = None
+                if not self._jobs.empty():
+                    self._start()

@@ -39,16 +39,28 @@ def test_a_worker_runs_its_jobs_in_turn_on_one_thread_and_submitting_does_not_wa
     assert ran[0][1] == ran[1][1] != threading.get_ident()  # one thread, not the caller's
 
 
-def test_a_job_that_raises_is_done_and_the_next_job_runs_on_a_new_thread(monkeypatch):
-    worker, where, raised = Worker("test"), [], []
+def test_a_job_that_raises_is_reported_and_the_jobs_queued_after_it_still_run(monkeypatch):
+    worker, go, ran, raised = Worker("test"), threading.Event(), [], []
     monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(str(args.exc_value)))
 
     def fail():
-        where.append(threading.get_ident())
+        go.wait(10)
         raise RuntimeError("a bug in a background job")
 
-    assert worker.submit(fail).wait(10)
-    worker._thread.join(10)  # the exception ends the thread, reported as a thread's
-    assert raised == ["a bug in a background job"] and not worker._thread.is_alive()
-    assert worker.submit(lambda: where.append(threading.get_ident())).wait(10)
-    assert len(where) == 2 and worker._thread.is_alive()
+    failed = worker.submit(fail)
+    queued = worker.submit(ran.append, "queued behind it")  # while the failing job runs
+    go.set()
+    assert failed.wait(10) and queued.wait(10)
+    assert ran == ["queued behind it"] and raised == ["a bug in a background job"]
+    assert worker.submit(ran.append, "later").wait(10) and ran[-1] == "later"
+
+
+def test_an_idle_worker_ends_its_thread_and_the_next_job_starts_another():
+    worker, ran = Worker("test-idle", idle_s=0.05), []
+    assert worker.submit(ran.append, 1).wait(10)
+    for _ in range(200):  # the thread ends once idle (a writer that is gone leaves no thread behind)
+        if worker._thread is None:
+            break
+        threading.Event().wait(0.01)
+    assert worker._thread is None and "test-idle" not in [t.name for t in threading.enumerate()]
+    assert worker.submit(ran.append, 2).wait(10) and ran == [1, 2]
