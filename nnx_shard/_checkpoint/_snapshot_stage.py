@@ -130,8 +130,7 @@ def stage_programs(shards: Sequence[Shard]) -> dict[Any, tuple[Any, tuple[Any, .
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
 
     work = {}
-    for device, members in _groups(shards).items():
-        key = _key(shards, members)
+    for device, members, key, _ in _plan(shards).work:
         work[(device, key)] = (_program(key), ([abstract(shards[k][2]) for k in members],))
     return work
 
