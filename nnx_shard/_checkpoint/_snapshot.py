@@ -195,9 +195,9 @@ class SnapshotWriter:
     def prepare(self, states: Any) -> None:
         """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs): the
         first snapshot then dispatches and returns."""
-        shards = self._layouts(states)[0]  # remembered for the first snapshot
+        shards, _, _, key = self._layouts(states)  # remembered for the first snapshot
         if _accelerated(shards):
-            self._staging.prepare(shards)
+            self._staging.prepare(shards, key)
 
     def check_space(self, own_bytes: int) -> int:
         """Bytes the kept snapshots need here (own + peer, times ``keep``); ConfigError when the folder lacks

@@ -28,7 +28,7 @@ def own_shards(states: Any) -> list[Shard]:
     """``(path, [[start, stop], ...], data, global shape)`` of every shard this process owns (replica 0);
     ``data`` is the shard's single-device ``jax.Array``."""
     values = _values(states)
-    return _shards(values, _places(states, values))
+    return _shards(values, _places(states))
 
 
 class Layouts:
@@ -51,7 +51,7 @@ class Layouts:
         if self._last is None or self._last[0] != key:
             exact = _values(states)
             plain = len(exact) == len(values) and all(a is b for a, b in zip(exact, values, strict=True))
-            places = _places(states, exact)
+            places = _places(states)
             self._last = (key, plain, places, *layout(_shards(exact, places)))
         _, plain, places, pieces, size = self._last
         shards = _shards(values if plain else _values(states), places)
@@ -63,12 +63,11 @@ def _values(states: Any) -> list[Any]:
     return [x.get_value() if is_variable(x) else x for x in jax.tree.leaves(states, is_leaf=is_variable)]
 
 
-def _places(states: Any, values: list[Any]) -> list[Place]:
-    """Where each shard this process owns (replica 0) is among ``values``, with its path, index and global
-    shape (a typed PRNG key's as saved: its key data's)."""
-    stored = leaf_paths(storable(states)[0])  # the same leaves, in the same order
-    out = []
-    for k, ((path, value), _) in enumerate(zip(stored.items(), values, strict=True)):
+def _places(states: Any) -> list[Place]:
+    """Where each shard this process owns (replica 0) is among the leaves of :func:`_values`, with its path,
+    index and global shape (a typed PRNG key's as saved: its key data's)."""
+    out = []  # leaf_paths walks the same leaves in the same order
+    for k, (path, value) in enumerate(leaf_paths(storable(states)[0]).items()):
         if not isinstance(value, jax.Array):
             continue
         for j, shard in enumerate(value.addressable_shards):

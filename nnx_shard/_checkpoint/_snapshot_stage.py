@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_shard._base import CompiledAhead, cached
+from nnx_shard._base import CompiledAhead, Laps, cached
 from nnx_shard._checkpoint._fingerprint_shares import block_base, block_share, word_shape, word_strides
 from nnx_shard._checkpoint._snapshot_file import HEADER, Shard, host_memory
 
@@ -125,12 +125,15 @@ def has_room(shards: Sequence[Shard], groups: dict[Any, list[int]] | None = None
 def stage_programs(shards: Sequence[Shard]) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
     """``{(device, layout): (jitted program, abstract arguments)}``: what each device runs to stage
     ``shards``, ready to compile (the arguments hold no buffer of the live state)."""
+    return _programs(shards, _plan(shards))
 
+
+def _programs(shards: Sequence[Shard], plan: _Plan) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
     def abstract(data: jax.Array) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
 
     work = {}
-    for device, members, key, _ in _plan(shards).work:
+    for device, members, key, _ in plan.work:
         work[(device, key)] = (_program(key), ([abstract(shards[k][2]) for k in members],))
     return work
 
@@ -143,7 +146,7 @@ class Staged:
     chunks: list[list[tuple[int, jax.Array]]]
     shares: list[tuple[jax.Array, list[int]]]
 
-    def write_into(self, buf: np.ndarray, pieces: Sequence[dict[str, Any]], laps: Any = None) -> None:
+    def write_into(self, buf: np.ndarray, pieces: Sequence[dict[str, Any]], laps: Laps | None = None) -> None:
         """Moves the chunks to the host into their places in ``buf``, two in flight at a time (in the
         background). A step's own small reads from its devices (its counters, its metrics) queue behind
         the transfers in flight: two chunks, not the whole snapshot. ``laps`` (:class:`Laps`), when given,
@@ -172,7 +175,7 @@ class Staged:
         return [out[k] for k in range(len(out))]
 
 
-def _land(buf: np.ndarray, offset: int, host: Any, laps: Any = None) -> None:
+def _land(buf: np.ndarray, offset: int, host: Any, laps: Laps | None = None) -> None:
     """Copies a chunk on its way to the host (waits for it) to ``offset`` in the file's shards."""
     raw = np.asarray(host).reshape(-1).view(np.uint8)
     if laps is not None:
@@ -213,9 +216,11 @@ class Staging:
         self._told = False  # that a device lacked the room (once)
         self._last: tuple[Any, _Plan] | None = None  # the last layout's key and plan
 
-    def prepare(self, shards: Sequence[Shard]) -> None:
-        """Compiles each device's program for ``shards``' layout in a thread (:class:`CompiledAhead`)."""
-        self._thread = _COMPILED.start(stage_programs(shards))
+    def prepare(self, shards: Sequence[Shard], layout: Any = None) -> None:
+        """Compiles each device's program for ``shards``' layout in a thread (:class:`CompiledAhead`); the
+        plan is kept for the first snapshot of that ``layout`` (:meth:`stage`)."""
+        self._last = (layout, _plan(shards))
+        self._thread = _COMPILED.start(_programs(shards, self._last[1]))
 
     def stage(self, shards: Sequence[Shard], layout: Any = None) -> Staged | None:
         """Queues each device's copies and shares; None where a device lacks room for them. ``layout``, the
