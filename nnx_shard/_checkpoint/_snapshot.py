@@ -56,10 +56,10 @@ from nnx_shard._checkpoint._fingerprint_shares import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
     Layouts,
+    Mappings,
     copy_in,
     header_bytes,
     host_memory,
-    mapped,
 )
 from nnx_shard._checkpoint._snapshot_stage import Staged, Staging
 from nnx_shard._cluster import gather_json, process_mesh
@@ -142,12 +142,13 @@ class _Snapshot:
     copies its shards come from (None once copied) and its own file's mapping when the step copied into it."""
 
     step: int
-    folder: Path
+    folder: Path  # .step-N.tmp, made ready (:meth:`SnapshotWriter._reuse`) on the step's path or after it
     pieces: list[dict[str, Any]]
     size: int
     sources: list[Any] | None
     data_state: Any
     exchanged: bool = False
+    ready: bool = False  # the folder is made ready
     error: str | None = None
     pages: np.ndarray | None = None
     shares: list[Any] | None = None  # each piece's fingerprint share, computed on its device (GPUs, TPUs)
@@ -187,7 +188,7 @@ class SnapshotWriter:
         self._current: _Snapshot | None = None  # the snapshot being written
         self.skipped = 0
         self.last_bytes = (0, 0)
-        self._premapped: tuple[int, np.ndarray] | None = None  # (inode, pages) of the file the next reuses
+        self._maps = Mappings.left_in(self.folder)  # the kept snapshots' files, mapped; each write reuses one
         self._staging = Staging()
         self._layouts = Layouts()  # the last state's layout, remembered
         self._finished: _Snapshot | None = None  # the last snapshot whose write ended
@@ -241,17 +242,19 @@ class SnapshotWriter:
         laps = Laps()
         shards, pieces, size, key = self._layouts(states)
         laps.lap("layout")
-        folder = self._reuse(step)
-        laps.lap("folder")
         staged = self._staging.stage(shards, key) if _accelerated(shards) else None
         # copied within each device's memory (GPUs, TPUs with room): the next step may donate at once
         sources = None if staged is not None else [host_memory(d) for _, _, d, _ in shards]
         laps.lap("stage" if staged is not None else "to_host_started")
-        snapshot = _Snapshot(step, folder, pieces, size, sources, data_state, staged=staged, on_path=laps)
+        tmp = self.folder / f".step-{step}.tmp"
+        snapshot = _Snapshot(step, tmp, pieces, size, sources, data_state, staged=staged, on_path=laps)
         if sources is not None and any(s is d for s, (_, _, d, _) in zip(sources, shards, strict=True)):
             # shards with no copy under way (CPU devices, whose memory is the host's; devices without host
-            # memory kinds): copied now, before the next step may donate them
-            snapshot.pages = self._pages(folder / "own.bin", size)  # summed from in the background
+            # memory kinds): copied now, before the next step may donate them, into the file's pages
+            self._reuse(tmp)  # elsewhere made ready in the background
+            laps.lap("folder")
+            snapshot.pages = self._pages(tmp / "own.bin", size)  # summed from in the background
+            snapshot.ready = True
             copy_in(snapshot.pages, pieces, snapshot.sources)
             snapshot.sources = None
             laps.lap("copy")
@@ -269,11 +272,11 @@ class SnapshotWriter:
 
     @property
     def phases(self) -> dict[str, dict[str, float]]:
-        """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``layout``, ``folder``,
-        then ``stage`` on GPUs and TPUs, ``to_host_started`` and ``copy`` or ``shares_started`` elsewhere,
-        ``thread``; ``exchange`` with several processes) and ``in_the_background`` (``map``, ``to_host``,
-        then ``into_file`` when staged, ``shares``, ``header``, ``peer``, ``publish``). Empty before the
-        first."""
+        """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``layout``, then
+        ``stage`` on GPUs and TPUs, ``to_host_started`` with ``folder`` and ``copy`` (CPU devices) or
+        ``shares_started`` elsewhere, ``thread``; ``exchange`` with several processes) and
+        ``in_the_background`` (``folder`` where the step did not copy, ``map``, ``to_host``, then
+        ``into_file`` when staged, ``shares``, ``header``, ``peer``, ``publish``). Empty before the first."""
         done = self._finished
         if done is None:
             return {}
@@ -299,9 +302,12 @@ class SnapshotWriter:
     def close(self, *, remove: bool) -> None:
         """Waits for the last write; ``remove`` frees this process's snapshots (a finished run needs none)."""
         self.wait()
-        self._current, self._premapped = None, None
+        self._current, maps, self._maps = None, self._maps, Mappings()
         if remove:
+            maps.clear()
             shutil.rmtree(self.folder, ignore_errors=True)
+        elif len(maps):  # for the next train() call's writer
+            maps.leave(self.folder)
 
     def _start(self, target: Any, *args: Any) -> None:
         self._job = self._worker.submit(target, *args)
@@ -311,10 +317,9 @@ class SnapshotWriter:
             self._job.wait()
             self._job = None
 
-    def _reuse(self, step: int) -> Path:
-        """The folder the snapshot of ``step`` is written in: the oldest kept one's (its pages already
-        allocated) when ``keep`` are there, renamed ``.step-N.tmp``; a new one otherwise."""
-        tmp = self.folder / f".step-{step}.tmp"
+    def _reuse(self, tmp: Path) -> None:
+        """Makes ``tmp`` (``.step-N.tmp``), the folder a snapshot is written in: the oldest kept one's
+        (its pages already allocated) renamed when ``keep`` are there; a new one otherwise."""
         self.folder.mkdir(parents=True, exist_ok=True)
         leftovers = [p for p in self.folder.glob(".step-*.tmp") if p != tmp]  # of a write that died
         steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
@@ -331,33 +336,33 @@ class SnapshotWriter:
         else:
             tmp.mkdir()
         (tmp / "own.bin").touch()
-        return tmp
 
     def _pages(self, path: Path, size: int) -> np.ndarray:
-        """``path``'s first ``size`` bytes, mapped: by the last write's background thread when it is the
-        file that was to be reused (the step's path then only copies)."""
-        premapped, self._premapped = self._premapped, None
-        if premapped is not None and premapped[0] == path.stat().st_ino and premapped[1].size == size:
-            os.truncate(path, size)  # its old header goes; the mapping covers exactly what stays
-            return premapped[1]
-        return mapped(path, size)
+        """``path``'s first ``size`` bytes, mapped: kept from its last write, or by the last write's
+        background thread when it is the file that was to be reused (the step's path then only copies)."""
+        return self._maps.pages(path, size)
 
-    def _premap(self, size: int) -> None:
-        """Maps the oldest kept snapshot's file, which the next write reuses, without changing it."""
-        steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
-        own = self.folder / f"step-{steps[0]}" / "own.bin" if len(steps) >= self.keep else None
+    def _premap(self, size: int, steps: Sequence[int]) -> None:
+        """Maps the oldest kept snapshot's file, which the next write reuses, without changing it (kept
+        mapped from its last write once the writer has gone round), and unmaps the files no longer kept."""
+        folders = [self.folder / f"step-{s}" for s in steps]
+        own = folders[0] / "own.bin" if len(steps) >= self.keep else None
         if own is not None and own.exists() and own.stat().st_size >= size:
-            self._premapped = (own.stat().st_ino, mapped(own, size, resize=False))
+            self._maps.pages(own, size, resize=False)
+        self._maps.keep([f for folder in folders for f in folder.glob("*.bin")])
 
     def _seal(self, snapshot: _Snapshot) -> None:
         """In the background: copies the shards (when they were not copied at the step), sums each piece,
         writes the header; with one process, the snapshot is then complete."""
         laps = Laps()
         try:
+            if not snapshot.ready:  # GPUs, TPUs: the folder made ready off the step's path
+                self._reuse(snapshot.folder)
+                laps.lap("folder")
             own = snapshot.folder / "own.bin"
             # mapped on the step's path (CPU devices), or here: the pages the last write mapped for this one
             buf = snapshot.pages if snapshot.pages is not None else self._pages(own, snapshot.size)
-            snapshot.pages = None  # unmapped with buf
+            snapshot.pages = None  # the mapping stays (self._maps): the next write into this file finds it
             laps.lap("map")
             if snapshot.staged is not None:  # the devices' own copies, now to the host
                 snapshot.staged.write_into(buf, snapshot.pieces, laps)
@@ -421,7 +426,7 @@ class SnapshotWriter:
                 path = tmp / f"peer-{source}.bin"
                 stale.discard(path)
                 path.touch()
-                mapped(path, int(peer.size))[:] = peer
+                self._maps.pages(path, int(peer.size))[:] = peer
         for path in stale:
             path.unlink()
         shutil.rmtree(final, ignore_errors=True)
@@ -432,6 +437,6 @@ class SnapshotWriter:
         for old in self._discard:  # a restart's: the snapshots of the run before are superseded
             shutil.rmtree(old, ignore_errors=True)
         self._discard = []
-        self._premap(snapshot.size)
+        self._premap(snapshot.size, steps[-self.keep :])
         snapshot.background["publish"] = time.perf_counter() - began
         self._finished = snapshot

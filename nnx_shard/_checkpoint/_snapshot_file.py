@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,58 @@ def mapped(path: Path, size: int, *, resize: bool = True) -> np.ndarray:
             f.truncate(size)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         return np.frombuffer(mmap.mmap(f.fileno(), size, flags=flags), np.uint8)  # unmapped with the array
+
+
+class Mappings:
+    """The snapshot files' mappings (:func:`mapped`), kept from one write of a file to the next: a writer
+    with ``keep`` snapshots writes into the same ``keep`` files in turn, and mapping a file with its page
+    tables filled, then unmapping it, cost about what copying its bytes does (17 MB on a 2-core CPU: 6 ms
+    and 4 ms beside a 4 ms copy), each time.
+
+    A mapping is known by its file's inode, which the mapping holds open, so that a renamed file is found
+    again and a number is never another file's. :meth:`keep` lets the mappings of files no longer kept go
+    (their memory is freed only then), :meth:`clear` all of them. A writer that ends with its snapshots
+    kept leaves its mappings to the next writer of its folder (each ``train()`` call has its own):
+    :meth:`leave`, :meth:`left_in`.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def left_in(cls, folder: Path) -> Mappings:
+        """The mappings the last writer of ``folder`` left, or none; those left in another folder go."""
+        left = _LEFT.pop(folder, None)
+        _LEFT.clear()
+        return left if left is not None else cls()
+
+    def leave(self, folder: Path) -> None:
+        """Hands these mappings to the next writer of ``folder`` (one folder's are kept at a time)."""
+        _LEFT.clear()
+        _LEFT[folder] = self
+
+    def pages(self, path: Path, size: int, *, resize: bool = True) -> np.ndarray:
+        """``path``'s first ``size`` bytes, mapped: the kept mapping when there is one of that size (the file
+        cut to ``size`` when ``resize``: what follows them, an old header, goes), mapped anew otherwise."""
+        inode = path.stat().st_ino
+        kept = self._maps.get(inode)
+        if kept is None or kept.size != size:
+            self._maps.pop(inode, None)
+            self._maps[inode] = kept = mapped(path, size, resize=resize)
+        elif resize:
+            os.truncate(path, size)
+        return kept
+
+    def keep(self, paths: Sequence[Path]) -> None:
+        """Unmaps every file but those at ``paths``."""
+        inodes = {p.stat().st_ino for p in paths if p.exists()}
+        self._maps = {k: v for k, v in self._maps.items() if k in inodes}
+
+    def clear(self) -> None:
+        self._maps = {}
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+_LEFT: dict[Path, Mappings] = {}  # the mappings a closed writer left, by its folder

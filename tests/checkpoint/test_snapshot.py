@@ -225,9 +225,10 @@ def test_with_room_on_the_devices_each_copies_its_shards_and_sums_their_shares_i
             np.testing.assert_array_equal(whole[path], np.asarray(value))
     # the step queued the devices' programs; the copies left for the host, and the shares were read, after
     phases = writer.phases
-    assert list(phases["on_the_steps_path"]) == ["layout", "folder", "stage", "thread"]
+    assert list(phases["on_the_steps_path"]) == ["layout", "stage", "thread"]  # the folder: after the step
     # the waits for the transfers apart from the copies into the file
-    assert list(phases["in_the_background"]) == ["map", "to_host", "into_file", "shares", "header", "publish"]
+    background = ["folder", "map", "to_host", "into_file", "shares", "header", "publish"]
+    assert list(phases["in_the_background"]) == background
     writer.close(remove=True)
 
 
@@ -302,7 +303,7 @@ def test_a_snapshots_phases_say_where_its_time_went(tmp_path, monkeypatch):
     total = time.perf_counter() - began
     on, background = writer.phases["on_the_steps_path"], writer.phases["in_the_background"]
     # CPU devices: the step copies into the file (before the next step may donate the buffers)
-    assert list(on) == ["layout", "folder", "to_host_started", "copy", "thread"]
+    assert list(on) == ["layout", "to_host_started", "folder", "copy", "thread"]
     assert list(background) == ["map", "to_host", "shares", "header", "publish"]
     assert all(v >= 0 for v in [*on.values(), *background.values()])
     assert sum(on.values()) <= on_path and sum(background.values()) <= total
@@ -397,3 +398,56 @@ def test_a_devices_pinned_host_memory_is_looked_up_once_and_none_where_it_has_no
             raise NotImplementedError
 
     assert _pinned(Bare()) is None
+
+
+def _mapped_snapshot_files(folder) -> list[str]:
+    """The files under ``folder`` this process has mapped (``/proc/self/maps``), deleted ones marked so."""
+    lines = open("/proc/self/maps").read().splitlines()
+    return sorted({line.split(None, 5)[5] for line in lines if str(folder) in line})
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_each_snapshot_file_is_mapped_once_and_unmapped_when_it_is_no_longer_kept(tmp_path, monkeypatch):
+    """A writer keeping 2 snapshots writes into 2 files in turn: each is mapped once (the next ``train()``
+    call's writer finds them too), every snapshot holds the state it was given, a new size is mapped
+    again, and a file no longer kept, or a finished job's, is unmapped (its memory freed)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnx_shard._checkpoint import _snapshot, _snapshot_file
+    from tests.helpers import mesh_of
+
+    made = []
+    real = _snapshot_file.mapped
+    monkeypatch.setattr(
+        _snapshot_file, "mapped", lambda path, size, **kw: made.append(size) or real(path, size, **kw)
+    )
+    sharding = NamedSharding(mesh_of("8"), PartitionSpec("fsdp"))
+
+    def states(k, rows=64):
+        return {"w": jax.device_put(jnp.full((rows, 64), float(k)), sharding)}
+
+    folder = tmp_path / "snap"
+    step = 0
+    for _ in range(3):  # one writer per train() call
+        writer = _snapshot.SnapshotWriter(folder, keep=2)
+        for _k in range(3):
+            step += 1
+            assert writer.write(step, states(step))
+            writer.wait()
+            _, pieces = unpack(np.fromfile(writer.folder / f"step-{step}" / "own.bin", np.uint8))
+            np.testing.assert_array_equal(assemble(pieces, {"w": [64, 64]})["w"], np.full((64, 64), step))
+        assert _mapped_snapshot_files(folder) == sorted(
+            str(writer.folder / f"step-{s}" / "own.bin") for s in (step - 1, step)
+        )
+        writer.close(remove=False)
+    assert len(made) == 2  # the two files, once each: 9 snapshots over 3 writers
+    writer = _snapshot.SnapshotWriter(folder, keep=2)
+    assert writer.write(step + 1, states(7, rows=128))  # a new size: mapped again, the old mapping let go
+    writer.wait()
+    _, pieces = unpack(np.fromfile(writer.folder / f"step-{step + 1}" / "own.bin", np.uint8))
+    np.testing.assert_array_equal(assemble(pieces, {"w": [128, 64]})["w"], np.full((128, 64), 7.0))
+    assert len(made) == 3 and not any("deleted" in f for f in _mapped_snapshot_files(folder))
+    writer.close(remove=True)
+    assert _mapped_snapshot_files(folder) == []
