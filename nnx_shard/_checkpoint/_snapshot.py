@@ -33,12 +33,15 @@ in ``_snapshot_file``; restoring from them on the survivors in ``_snapshot_read`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -49,7 +52,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._base import Laps, Worker
 from nnx_shard._checkpoint._fingerprint_shares import device_shares
@@ -61,8 +63,9 @@ from nnx_shard._checkpoint._snapshot_file import (
     header_bytes,
     host_memory,
 )
+from nnx_shard._checkpoint._snapshot_peer import exchange, peers, received
 from nnx_shard._checkpoint._snapshot_stage import Staged, Staging
-from nnx_shard._cluster import gather_json, process_mesh
+from nnx_shard._cluster import gather_json
 from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
@@ -79,56 +82,6 @@ def snapshot_folder(directory: Path, run: int | None, process: int) -> Path:
     """A process's own folder: ``process-<id>``, under ``run-<restart>`` in a job of ``nnx-shard launch``
     (ids are renumbered on a restart, so each run has its own folders)."""
     return (directory if run is None else directory / f"run-{run}") / f"process-{process}"
-
-
-def peers(domains: Sequence[str]) -> list[int]:
-    """Where each process sends its copy: a ring over the processes grouped by failure domain.
-
-    The shift is the largest domain's size, so a copy leaves its domain when
-    the domains are equal in size; with one domain it is plain ring order.
-
-    >>> peers(["a", "a", "b", "b"]), peers(["h"] * 3)
-    ([2, 3, 0, 1], [1, 2, 0])
-    """
-    n = len(domains)
-    order = sorted(range(n), key=lambda i: (domains[i], i))
-    largest = max(sum(1 for d in domains if d == x) for x in set(domains))
-    shift = largest if largest < n else 1
-    dest = [0] * n
-    for k, i in enumerate(order):
-        dest[i] = order[(k + shift) % n]
-    return dest
-
-
-def exchange(buf: np.ndarray, dest: Sequence[int]) -> Any:
-    """Starts sending ``buf`` to process ``dest[me]`` through a JAX ``ppermute`` (a collective, called by
-    every process in the same order); :func:`received` gives what came here."""
-    n, me = jax.process_count(), jax.process_index()
-    if n == 1:
-        return buf, buf.size  # its own peer: written twice, never changed
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([buf.size], np.int64))).ravel()
-    width = int(lengths.max())
-    mesh = process_mesh()
-    devices = list(mesh.devices.flat)
-    row = np.zeros((1, width), np.uint8)
-    row[0, : buf.size] = buf
-    local = jax.device_put(row, devices[me])
-    spec = PartitionSpec("p")
-    whole = jax.make_array_from_single_device_arrays((n, width), NamedSharding(mesh, spec), [local])
-    perm = [(i, int(dest[i])) for i in range(n)]
-    moved = jax.jit(
-        jax.shard_map(lambda x: jax.lax.ppermute(x, "p", perm), mesh=mesh, in_specs=spec, out_specs=spec)
-    )(whole)
-    source = perm[[d for _, d in perm].index(me)][0]
-    return moved, int(lengths[source])
-
-
-def received(sent: Any) -> np.ndarray:
-    """The bytes an :func:`exchange` brought here (waits for them; dispatches nothing)."""
-    moved, length = sent
-    if isinstance(moved, np.ndarray):
-        return moved[:length]
-    return np.asarray(moved.addressable_shards[0].data)[0, :length]
 
 
 def _accelerated(shards: Sequence[Any]) -> bool:
@@ -155,6 +108,9 @@ class _Snapshot:
     staged: Staged | None = None  # the devices' own copies, and their shares (GPUs, TPUs with room)
     on_path: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by phase
     background: dict[str, float] = dataclasses.field(default_factory=dict)
+    exchange_after: int = 1  # its copy goes to the peer before this many steps after its own have run
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    packed_s: float | None = None  # from the write to the end of its packing
 
 
 class SnapshotWriter:
@@ -162,10 +118,13 @@ class SnapshotWriter:
     the newest ``keep``.
 
     ``write`` starts a snapshot and returns; with several processes, ``poll``
-    before the next step sends the copy to the peer (every process calls both at
-    the same steps). ``wait`` finishes the snapshot in flight; ``skipped`` counts
-    the snapshots not taken because one was still being written, and
-    :attr:`phases` says where the last finished one's time went.
+    before each step sends the packed copy to the peer (every process calls both
+    at the same steps): before the step after the snapshot at first, then as many
+    steps later as the slowest process's last packing took (the processes agree
+    on it at each snapshot), so that the steps do not wait for the packing.
+    ``wait`` finishes the snapshot in flight; ``skipped`` counts the snapshots
+    not taken because one was still being written, and :attr:`phases` says where
+    the last finished one's time went.
     """
 
     def __init__(
@@ -192,6 +151,9 @@ class SnapshotWriter:
         self._staging = Staging()
         self._layouts = Layouts()  # the last state's layout, remembered
         self._finished: _Snapshot | None = None  # the last snapshot whose write ended
+        self._last_write = 0  # the step of the last snapshot due
+        self._polled: tuple[int, float] | None = None  # the last poll's step, and when it returned
+        self._steps_s: collections.deque[float] = collections.deque(maxlen=16)  # seconds between polls
 
     def prepare(self, states: Any) -> None:
         """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs): the
@@ -224,10 +186,18 @@ class SnapshotWriter:
             return None
         return current.step
 
-    def busy(self) -> bool:
-        """Whether a snapshot is still being written on any process (a collective with several processes)."""
-        mine = self.in_flight is not None
-        return mine if jax.process_count() == 1 else any(gather_json(mine))
+    def _agree(self, step: int) -> tuple[bool, int]:
+        """Whether a snapshot is still being written on any process, and how many steps the snapshot of
+        ``step`` leaves its packing before its copy goes to the peer: the slowest process's last packing, in
+        steps, within the steps to the next snapshot (a collective with several processes)."""
+        mine, last_step, self._last_write = self.in_flight is not None, self._last_write, step
+        if jax.process_count() == 1:  # its own peer: nothing waits
+            return mine, 1
+        done, need = self._finished, 1
+        if done is not None and done.packed_s is not None and self._steps_s:  # a step: the median of the last
+            need = min(step - last_step - 1, math.ceil(done.packed_s / statistics.median(self._steps_s)) + 1)
+        votes = gather_json([mine, max(need, 1)])
+        return any(v[0] for v in votes), max(v[1] for v in votes)
 
     def write(self, step: int, states: Any, data_state: Any = None, *, skip_if_busy: bool = False) -> bool:
         """Starts the snapshot of ``step`` (every process calls it at the same step) and returns.
@@ -235,7 +205,8 @@ class SnapshotWriter:
         With ``skip_if_busy`` a snapshot still in flight on any process makes this one skipped (False,
         counted in ``skipped``); otherwise it is finished first.
         """
-        if skip_if_busy and self.busy():
+        busy, exchange_after = self._agree(step) if skip_if_busy else (False, 1)
+        if busy:
             self.skipped += 1
             return False
         self.wait()
@@ -248,6 +219,7 @@ class SnapshotWriter:
         laps.lap("stage" if staged is not None else "to_host_started")
         tmp = self.folder / f".step-{step}.tmp"
         snapshot = _Snapshot(step, tmp, pieces, size, sources, data_state, staged=staged, on_path=laps)
+        snapshot.exchange_after = exchange_after
         if sources is not None and any(s is d for s, (_, _, d, _) in zip(sources, shards, strict=True)):
             # shards with no copy under way (CPU devices, whose memory is the host's; devices without host
             # memory kinds): copied now, before the next step may donate them, into the file's pages
@@ -274,20 +246,26 @@ class SnapshotWriter:
     def phases(self) -> dict[str, dict[str, float]]:
         """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``layout``, then
         ``stage`` on GPUs and TPUs, ``to_host_started`` with ``folder`` and ``copy`` (CPU devices) or
-        ``shares_started`` elsewhere, ``thread``; ``exchange`` with several processes) and
-        ``in_the_background`` (``folder`` where the step did not copy, ``map``, ``to_host``, then
-        ``into_file`` when staged, ``shares``, ``header``, ``peer``, ``publish``). Empty before the first."""
+        ``shares_started`` elsewhere, ``thread``; with several processes ``packing_waited``, what the step
+        that sent the peer's copy waited for the packing, and ``exchange``) and ``in_the_background``
+        (``folder`` where the step did not copy, ``map``, ``to_host``, then ``into_file`` when staged,
+        ``shares``, ``header``, ``peer``, ``publish``). Empty before the first."""
         done = self._finished
         if done is None:
             return {}
         return {"on_the_steps_path": dict(done.on_path), "in_the_background": dict(done.background)}
 
     def poll(self, step: int) -> None:
-        """Before the step after ``step``, on every process: the snapshot of ``step`` or an earlier one,
-        packed meanwhile, goes to the peer (its ``ppermute`` queued before that step)."""
-        current = self._current
-        if current is not None and not current.exchanged and step >= current.step:
+        """Before the step after ``step``, on every process: the snapshot in flight goes to the peer once
+        its ``exchange_after`` steps have run (its ``ppermute`` queued before that step), its packing waited
+        for if still under way."""
+        now, current = time.perf_counter(), self._current
+        if self._polled is not None and self._polled[0] == step - 1:  # a step's seconds, without exchanges
+            self._steps_s.append(now - self._polled[1])
+        due = current is not None and step + 1 - current.step >= current.exchange_after
+        if current is not None and due and not current.exchanged:
             self._exchange(current)
+        self._polled = (step, time.perf_counter())
 
     def wait(self) -> None:
         """Finishes the snapshot in flight (its peer copy included: every process calls it together)."""
@@ -384,7 +362,7 @@ class SnapshotWriter:
                 f.write(header)
                 f.truncate(snapshot.size + len(header))
             laps.lap("header")
-            snapshot.background = laps
+            snapshot.background, snapshot.packed_s = laps, time.perf_counter() - snapshot.began
             if snapshot.exchanged:
                 self._publish(snapshot, None)
         except (OSError, jax.errors.JaxRuntimeError) as e:  # a full disk; no host memory for a transfer
@@ -393,7 +371,9 @@ class SnapshotWriter:
     def _exchange(self, snapshot: _Snapshot) -> None:
         """Sends the packed own file to the peer (a collective, on the main thread) and writes what came
         here in the background."""
+        began = time.perf_counter()
         self._join()  # the own file is packed
+        snapshot.on_path["packing_waited"] = time.perf_counter() - began
         own = snapshot.folder / "own.bin"
         buf = np.memmap(own, np.uint8, "r") if snapshot.error is None else np.zeros(HEADER, np.uint8)
         began = time.perf_counter()

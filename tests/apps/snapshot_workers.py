@@ -33,6 +33,45 @@ def write(folder: str, domain: str = "") -> dict:
     return {"dest": writer.dest, "need": need, "bytes": list(writer.last_bytes), "digests": digests}
 
 
+def exchange_when_packed(folder: str) -> dict:
+    """Snapshots every 10 steps of 30 ms, each one's packing slowed by 0.15 s in the background: the step and
+    wait at which each snapshot's copy went to the peer, the bytes received, and what the steps waited."""
+    import time
+
+    import jax
+
+    import nnx_shard as ns
+    from nnx_shard._checkpoint import SnapshotWriter, _snapshot
+
+    real_header, real_exchange = _snapshot.header_bytes, _snapshot.exchange
+    at, sent = [0], []
+
+    def slow_header(*args):
+        time.sleep(0.15)
+        return real_header(*args)
+
+    def exchange(buf, dest):
+        sent.append(at[0])
+        return real_exchange(buf, dest)
+
+    _snapshot.header_bytes, _snapshot.exchange = slow_header, exchange
+    states = _states(ns.create_mesh((jax.device_count(),), ("fsdp",)))
+    writer = SnapshotWriter(folder, keep=2)
+    taken, waited = [], []
+    for step in range(1, 51):
+        at[0] = step - 1
+        writer.poll(step - 1)  # before the step, as the Trainer's loop
+        time.sleep(0.03)
+        if step % 10 == 0 and step < 50:
+            if writer.phases:  # the last snapshot, finished: what its copy's step waited for the packing
+                waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
+            taken.append(writer.write(step, states, skip_if_busy=True))
+    writer.wait()
+    waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
+    peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
+    return {"taken": taken, "sent": sent, "waited": waited, "peers": peers, "skipped": writer.skipped}
+
+
 def restore_onto_more(folder: str) -> dict:
     """Process 0 held the snapshot of a 1-process run; process 1 is new: both restore it onto 2 x 2
     devices."""

@@ -47,6 +47,27 @@ def test_each_process_holds_its_shards_and_a_peers_and_together_they_make_the_st
     assert 0 < values[0]["need"] <= packed  # the estimate counts the arrays, not the JSON headers
 
 
+def test_a_snapshots_copy_goes_to_the_peer_once_its_packing_has_had_the_steps_it_took(multiprocess, tmp_path):
+    """With several processes the copy to the peer waits for the packing. The first snapshot's goes before the
+    next step, which waits; the later ones go as many steps later as the slowest process's last packing
+    took (agreed at each snapshot, so every process sends at the same step), and the steps wait far less."""
+    results, _ = multiprocess(
+        "tests.apps.snapshot_workers:exchange_when_packed", 2, devices=2, args={"folder": str(tmp_path / "s")}
+    )
+    first, second = (r.ok() for r in results)
+    assert first["sent"] == second["sent"]  # a collective: the same steps on both
+    assert first["taken"] == [True] * 4 and first["skipped"] == 0
+    sent = first["sent"]
+    assert sent[0] == 10  # before step 11: nothing measured yet
+    for snapshot, step in zip((20, 30, 40), sent[1:], strict=True):
+        assert snapshot + 1 < step < snapshot + 10, sent  # later, and before the next snapshot is due
+    for pid, r in enumerate((first, second)):
+        waited = r["waited"]
+        assert waited[0] >= 0.1, waited  # the packing's 0.15 s, less the step before the copy
+        assert max(waited[1:]) < waited[0] / 2, waited  # a step's seconds measured between the polls
+        assert r["peers"] == [f"peer-{1 - pid}.bin"] * 2  # the 2 kept snapshots, each with the peer's copy
+
+
 def test_a_flipped_byte_is_refused(multiprocess, tmp_path):
     folder = tmp_path / "snap"
     [
