@@ -35,13 +35,15 @@ def write(folder: str, domain: str = "") -> dict:
 
 def exchange_when_packed(folder: str) -> dict:
     """Snapshots every 10 steps of 30 ms, each one's packing slowed by 0.15 s in the background: the step and
-    wait at which each snapshot's copy went to the peer, the bytes received, and what the steps waited."""
+    wait at which each snapshot's copy went to the peer, the bytes received, what the steps waited, and the
+    copy's programs built and compiled."""
     import time
 
     import jax
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint import SnapshotWriter, _snapshot
+    from nnx_shard._checkpoint import SnapshotWriter, _snapshot, _snapshot_peer
+    from nnx_shard._cluster import process_mesh
 
     real_header, real_exchange = _snapshot.header_bytes, _snapshot.exchange
     at, sent = [0], []
@@ -65,11 +67,21 @@ def exchange_when_packed(folder: str) -> dict:
         if step % 10 == 0 and step < 50:
             if writer.phases:  # the last snapshot, finished: what its copy's step waited for the packing
                 waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
-            taken.append(writer.write(step, states, skip_if_busy=True))
+            # headers of different lengths: the copies' lengths differ by a few bytes
+            taken.append(writer.write(step, states, {"pad": "x" * step}, skip_if_busy=True))
     writer.wait()
     waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
     peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
-    return {"taken": taken, "sent": sent, "waited": waited, "peers": peers, "skipped": writer.skipped}
+    perm = tuple((i, d) for i, d in enumerate(writer.dest))
+    sends = _snapshot_peer._ppermute(process_mesh(), perm)
+    return {
+        "taken": taken,
+        "sent": sent,
+        "waited": waited,
+        "peers": peers,
+        "skipped": writer.skipped,
+        "programs": [_snapshot_peer._ppermute.cache_info().misses, sends._cache_size()],
+    }
 
 
 def restore_onto_more(folder: str) -> dict:

@@ -50,7 +50,8 @@ def test_each_process_holds_its_shards_and_a_peers_and_together_they_make_the_st
 def test_a_snapshots_copy_goes_to_the_peer_once_its_packing_has_had_the_steps_it_took(multiprocess, tmp_path):
     """With several processes the copy to the peer waits for the packing. The first snapshot's goes before the
     next step, which waits; the later ones go as many steps later as the slowest process's last packing
-    took (agreed at each snapshot, so every process sends at the same step), and the steps wait far less."""
+    took (agreed at each snapshot, so every process sends at the same step), and the steps wait far less.
+    The copy's program is compiled once."""
     results, _ = multiprocess(
         "tests.apps.snapshot_workers:exchange_when_packed", 2, devices=2, args={"folder": str(tmp_path / "s")}
     )
@@ -66,6 +67,7 @@ def test_a_snapshots_copy_goes_to_the_peer_once_its_packing_has_had_the_steps_it
         assert waited[0] >= 0.1, waited  # the packing's 0.15 s, less the step before the copy
         assert max(waited[1:]) < waited[0] / 2, waited  # a step's seconds measured between the polls
         assert r["peers"] == [f"peer-{1 - pid}.bin"] * 2  # the 2 kept snapshots, each with the peer's copy
+        assert r["programs"] == [1, 1]  # the copy's ppermute built and compiled once, for 4 lengths of copy
 
 
 def test_a_flipped_byte_is_refused(multiprocess, tmp_path):
