@@ -63,7 +63,7 @@ from nnx_shard._checkpoint._snapshot_file import (
     header_bytes,
     host_memory,
 )
-from nnx_shard._checkpoint._snapshot_peer import exchange, peers, received
+from nnx_shard._checkpoint._snapshot_peer import exchange, outgoing, peers, received
 from nnx_shard._checkpoint._snapshot_stage import Staged, Staging
 from nnx_shard._cluster import gather_json
 from nnx_shard.errors import ConfigError
@@ -111,6 +111,7 @@ class _Snapshot:
     exchange_after: int = 1  # its copy goes to the peer before this many steps after its own have run
     began: float = dataclasses.field(default_factory=time.perf_counter)
     packed_s: float | None = None  # from the write to the end of its packing
+    outgoing: tuple[np.ndarray, int] | None = None  # the copy for the peer (several processes), once packed
 
 
 class SnapshotWriter:
@@ -249,7 +250,8 @@ class SnapshotWriter:
         ``shares_started`` elsewhere, ``thread``; with several processes ``packing_waited``, what the step
         that sent the peer's copy waited for the packing, and ``exchange``) and ``in_the_background``
         (``folder`` where the step did not copy, ``map``, ``to_host``, then ``into_file`` when staged,
-        ``shares``, ``header``, ``peer``, ``publish``). Empty before the first."""
+        ``shares``, ``header``, then with several processes ``peer_copy`` and ``peer``, ``publish``). Empty
+        before the first."""
         done = self._finished
         if done is None:
             return {}
@@ -356,12 +358,14 @@ class SnapshotWriter:
             header = header_bytes(buf, snapshot.step, snapshot.pieces, snapshot.data_state, shares)
             laps.lap("shares" if shares is None else "header")
             buf[:HEADER] = np.frombuffer(snapshot.size.to_bytes(HEADER, "little"), np.uint8)
-            del buf
             with open(own, "r+b") as f:
                 f.seek(snapshot.size)
                 f.write(header)
                 f.truncate(snapshot.size + len(header))
             laps.lap("header")
+            if not snapshot.exchanged:  # the copy for the peer, made ready off the step's path
+                snapshot.outgoing = outgoing([buf, np.frombuffer(header, np.uint8)])
+                laps.lap("peer_copy")
             snapshot.background, snapshot.packed_s = laps, time.perf_counter() - snapshot.began
             if snapshot.exchanged:
                 self._publish(snapshot, None)
@@ -374,10 +378,10 @@ class SnapshotWriter:
         began = time.perf_counter()
         self._join()  # the own file is packed
         snapshot.on_path["packing_waited"] = time.perf_counter() - began
-        own = snapshot.folder / "own.bin"
-        buf = np.memmap(own, np.uint8, "r") if snapshot.error is None else np.zeros(HEADER, np.uint8)
+        out = snapshot.outgoing if snapshot.error is None else None
+        snapshot.outgoing = None
         began = time.perf_counter()
-        sent = exchange(buf, self.dest)
+        sent = exchange(out if out is not None else outgoing([np.zeros(HEADER, np.uint8)]), self.dest)
         snapshot.on_path["exchange"] = time.perf_counter() - began  # queued before the next step
         snapshot.exchanged = True
         self._start(self._receive, snapshot, sent)

@@ -36,20 +36,39 @@ def peers(domains: Sequence[str]) -> list[int]:
     return dest
 
 
-def exchange(buf: np.ndarray, dest: Sequence[int]) -> Any:
-    """Starts sending ``buf`` to process ``dest[me]`` through a JAX ``ppermute`` (a collective, called by
-    every process in the same order); :func:`received` gives what came here."""
+def outgoing(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
+    """The copy :func:`exchange` sends: ``parts`` (a snapshot file's bytes) one after the other in a row
+    padded to a multiple of ``ROW_STEP``, and their length. Made while the steps run (a copy of the whole
+    snapshot), so that the step that sends it only places it and queues the ``ppermute``. One process keeps
+    its bytes (its own peer)."""
+    size = sum(int(p.size) for p in parts)
+    if jax.process_count() == 1:
+        return np.concatenate(parts) if len(parts) > 1 else parts[0], size
+    row = np.empty((1, -(-size // ROW_STEP) * ROW_STEP), np.uint8)
+    at = 0
+    for p in parts:
+        row[0, at : at + p.size] = p
+        at += p.size
+    row[0, at:] = 0
+    return row, size
+
+
+def exchange(out: tuple[np.ndarray, int], dest: Sequence[int]) -> Any:
+    """Starts sending an :func:`outgoing` copy to process ``dest[me]`` through a JAX ``ppermute`` (a
+    collective, called by every process in the same order); :func:`received` gives what came here."""
+    local, size = out
     n, me = jax.process_count(), jax.process_index()
     if n == 1:
-        return buf, buf.size  # its own peer: written twice, never changed
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([buf.size], np.int64))).ravel()
-    width = -(-int(lengths.max()) // ROW_STEP) * ROW_STEP  # the same shape from one snapshot to the next
+        return local, size  # its own peer: written twice, never changed
+    mine = np.array([size, local.shape[1]], np.int64)
+    lengths, widths = np.asarray(multihost_utils.process_allgather(mine)).reshape(n, 2).T
+    width = int(widths.max())  # the same shape on every process, and from one snapshot to the next
     mesh = process_mesh()
-    devices = list(mesh.devices.flat)
-    row = np.empty((1, width), np.uint8)
-    row[0, : buf.size] = buf
-    row[0, buf.size :] = 0
-    local = jax.device_put(row, devices[me])
+    if local.shape[1] != width:  # another process's copy is longer: this one is padded to its length
+        local = outgoing([local[0, :size], np.zeros(width - size, np.uint8)])[0]
+    # placed here, not with the row: a CPU runs a collective whose input is ready inline, so that the step
+    # would wait for the transfer (60-85 ms for 32 MB); and a GPU keeps no copy of it for the steps between
+    local = jax.device_put(local, list(mesh.devices.flat)[me])
     sharding = NamedSharding(mesh, PartitionSpec("p"))
     whole = jax.make_array_from_single_device_arrays((n, width), sharding, [local])
     perm = tuple((i, int(dest[i])) for i in range(n))

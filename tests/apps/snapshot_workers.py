@@ -81,6 +81,7 @@ def exchange_when_packed(folder: str) -> dict:
         "peers": peers,
         "skipped": writer.skipped,
         "programs": [_snapshot_peer._ppermute.cache_info().misses, sends._cache_size()],
+        "background": list(writer.phases["in_the_background"]),
     }
 
 
