@@ -19,6 +19,13 @@ XLA's bytes accessed by those programs, over one read and one write of the
 shards, says whether the shares are summed in the copy's pass (1.0) or in
 passes of their own (the CPU, which does not stage, compiles them for the figure).
 
+With several processes each snapshot also goes to a peer process. The ``two_processes`` part runs a
+job of 2 processes x 2 CPU devices (``nnx_shard.cluster.launch``) whose steps leave the host idle, as
+on a GPU (``time.sleep``; the CPUs here are too few for two processes' real steps to say anything),
+with a snapshot every 10 steps or none in alternating rounds: the ratio of the two, what a step waited
+for the packing before the peer's copy (``packing_waited``) and what sending the copy cost the step
+(``exchange``).
+
     python benchmarks/bench_snapshot.py [--smoke]
 """
 
@@ -26,13 +33,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 from common import machine, simulate_devices, step_args, write_json
 
-simulate_devices(8)
+WORKER = "--worker" in sys.argv  # a process of the two-process part: its devices are set by its launch
+if not WORKER:
+    simulate_devices(8)
 
 import jax  # noqa: E402
 from bench_step import quiet_trainer  # noqa: E402
@@ -95,7 +106,75 @@ def snapshot_events(trainer) -> tuple[int, int]:
     return events.count("snapshot"), events.count("snapshot_skipped")
 
 
+def worker(mb: int, steps: int, rounds: int, step_s: float, out: str) -> None:
+    """One process of the two-process part: ``steps`` steps of ``step_s`` seconds that leave the host idle,
+    with a snapshot every 10 or none, in alternating rounds; process 0 writes what it measured."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import nnx_shard as ns
+
+    ns.cluster.initialize_distributed()
+    mesh = ns.create_mesh((-1,), ("fsdp",))
+    rows = mb * 2**20 // 4096
+    data = jnp.arange(rows * 1024, dtype=jnp.float32).reshape(rows, 1024)
+    states = {"w": jax.device_put(data, NamedSharding(mesh, PartitionSpec("fsdp")))}
+    times, phases = {0: [], 10: []}, []
+    for r in range(rounds):
+        for every in (0, 10):  # one writer per round, as one per train() call
+            writer = SnapshotWriter(f"{out}_snapshots", keep=2) if every else None
+            began = time.perf_counter()
+            for step in range(1, steps + 1):
+                if writer is not None:
+                    writer.poll(step - 1)  # before the step, as the Trainer's loop
+                time.sleep(step_s)
+                if writer is not None and step % every == 0:
+                    if writer.phases:
+                        phases.append(writer.phases)
+                    writer.write(step, states, skip_if_busy=True)
+            times[every].append(time.perf_counter() - began)  # to the last step's end, not the last write's
+            if writer is not None:
+                writer.close(remove=r == rounds - 1)
+    if jax.process_index() == 0:
+        ratios = [t / t0 for t, t0 in zip(times[10], times[0], strict=True)]
+        median = {
+            where: {k: round(1e3 * statistics.median(p[where].get(k, 0.0) for p in phases), 3) for k in keys}
+            for where, keys in ((w, list(phases[-1][w])) for w in phases[-1])
+        }
+        with open(f"{out}.json", "w") as f:
+            json.dump(
+                {
+                    "ratio_every_10": round(statistics.median(ratios), 4),
+                    "by_round": ratios,
+                    "step_ms": step_s * 1e3,
+                    "phases_ms": median,
+                },
+                f,
+            )
+
+
+def two_processes(smoke: bool) -> dict[str, object]:
+    """The two-process part (``worker``), run as a job of 2 processes x 2 CPU devices."""
+    from nnx_shard.cluster import launch
+
+    mb, steps, rounds, step_s = (4, 25, 2, 0.01) if smoke else (128, 65, 5, 0.03)
+    folder = tempfile.mkdtemp(
+        prefix="bench_snapshot_2p_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
+    out = os.path.join(folder, "result")
+    command = [sys.executable, __file__, "--worker", str(mb), str(steps), str(rounds), str(step_s), out]
+    if launch(command, 2, devices_per_process=2):
+        raise SystemExit("the two-process part failed (its output is above)")
+    result = json.load(open(f"{out}.json"))
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"state_mb": mb, "steps_per_round": steps, "rounds": rounds, **result}
+
+
 def main() -> None:
+    if WORKER:
+        mb, steps, rounds, step_s, out = sys.argv[sys.argv.index("--worker") + 1 :]
+        worker(int(mb), int(steps), int(rounds), float(step_s), out)
+        return
     args, (width, depth, rows, steps, rounds) = step_args()
     steps = max(steps, 10)
     built = {every: build(width, depth, rows, every) for every in (0, 10, 1)}
@@ -113,6 +192,7 @@ def main() -> None:
     where = where_the_time_goes(states)
     own = snapshot_own_bytes(built[10][0].states)
     traffic = stage_traffic(states)
+    two = two_processes(args.smoke)
     result = {
         "benchmark": "bench_snapshot",
         "machine": machine(),
@@ -131,6 +211,7 @@ def main() -> None:
         "snapshots_taken_every_1": taken,
         "snapshots_skipped_every_1": skipped,
         "target_ratio_every_10": 1.02,
+        "two_processes": two,
     }
     write_json(result, args.out)
 

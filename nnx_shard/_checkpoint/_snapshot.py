@@ -206,12 +206,14 @@ class SnapshotWriter:
         With ``skip_if_busy`` a snapshot still in flight on any process makes this one skipped (False,
         counted in ``skipped``); otherwise it is finished first.
         """
+        laps = Laps()
         busy, exchange_after = self._agree(step) if skip_if_busy else (False, 1)
         if busy:
             self.skipped += 1
             return False
-        self.wait()
-        laps = Laps()
+        if jax.process_count() > 1 and skip_if_busy:
+            laps.lap("agree")  # a collective
+        self.wait()  # (counted with the layout) the snapshot before, when it is still being written
         shards, pieces, size, key = self._layouts(states)
         laps.lap("layout")
         staged = self._staging.stage(shards, key) if _accelerated(shards) else None
@@ -245,13 +247,13 @@ class SnapshotWriter:
 
     @property
     def phases(self) -> dict[str, dict[str, float]]:
-        """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``layout``, then
-        ``stage`` on GPUs and TPUs, ``to_host_started`` with ``folder`` and ``copy`` (CPU devices) or
-        ``shares_started`` elsewhere, ``thread``; with several processes ``packing_waited``, what the step
-        that sent the peer's copy waited for the packing, and ``exchange``) and ``in_the_background``
-        (``folder`` where the step did not copy, ``map``, ``to_host``, then ``into_file`` when staged,
-        ``shares``, ``header``, then with several processes ``peer_copy`` and ``peer``, ``publish``). Empty
-        before the first."""
+        """Where the last complete snapshot's seconds went: ``on_the_steps_path`` (``agree`` with several
+        processes, ``layout``, then ``stage`` on GPUs and TPUs, ``to_host_started`` with ``folder`` and
+        ``copy`` (CPU devices) or ``shares_started`` elsewhere, ``thread``; with several processes
+        ``packing_waited``, what the step that sent the peer's copy waited for the packing, and
+        ``exchange``) and ``in_the_background`` (``folder`` where the step did not copy, ``map``,
+        ``to_host``, then ``into_file`` when staged, ``shares``, ``header``, then with several processes
+        ``peer_copy`` and ``peer``, ``publish``). Empty before the first."""
         done = self._finished
         if done is None:
             return {}

@@ -260,6 +260,11 @@ def check_snapshot(r):
     on_path = r["snapshot_phases_ms"]["on_the_steps_path"]
     assert {"layout", "folder", "copy", "thread"} <= set(on_path) and all(v >= 0 for v in on_path.values())
     assert set(r["snapshot_phases_ms"]["in_the_background"]) >= {"to_host", "shares", "header", "publish"}
+    # two processes: the copy to the peer, what sending it and agreeing on it cost a step, against none
+    two = r["two_processes"]
+    assert two["ratio_every_10"] == pytest.approx(statistics.median(two["by_round"]), abs=1e-3)
+    assert {"agree", "packing_waited", "exchange"} <= set(two["phases_ms"]["on_the_steps_path"])
+    assert {"peer_copy", "peer", "publish"} <= set(two["phases_ms"]["in_the_background"])
 
 
 def check_recovery(r):
