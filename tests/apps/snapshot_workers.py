@@ -72,8 +72,7 @@ def exchange_when_packed(folder: str) -> dict:
     writer.wait()
     waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
     peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
-    perm = tuple((i, d) for i, d in enumerate(writer.dest))
-    sends = _snapshot_peer._ppermute(process_mesh(), perm)
+    sends = _snapshot_peer._ppermute(process_mesh(), tuple(writer.dest))
     return {
         "taken": taken,
         "sent": sent,
