@@ -241,6 +241,7 @@ class Mappings:
         self._maps = {k: v for k, v in self._maps.items() if k in inodes}
 
     def clear(self) -> None:
+        """Unmaps every file."""
         self._maps = {}
 
     def __len__(self) -> int:

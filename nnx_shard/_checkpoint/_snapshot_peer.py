@@ -39,11 +39,8 @@ def peers(domains: Sequence[str]) -> list[int]:
 def outgoing(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, int]:
     """The copy :func:`exchange` sends: ``parts`` (a snapshot file's bytes) one after the other in a row
     padded to a multiple of ``ROW_STEP``, and their length. Made while the steps run (a copy of the whole
-    snapshot), so that the step that sends it only places it and queues the ``ppermute``. One process keeps
-    its bytes (its own peer)."""
+    snapshot), so that the step that sends it only places it and queues the ``ppermute``."""
     size = sum(int(p.size) for p in parts)
-    if jax.process_count() == 1:
-        return np.concatenate(parts) if len(parts) > 1 else parts[0], size
     row = np.empty((1, -(-size // ROW_STEP) * ROW_STEP), np.uint8)
     at = 0
     for p in parts:
@@ -59,7 +56,7 @@ def exchange(out: tuple[np.ndarray, int], dest: Sequence[int]) -> Any:
     local, size = out
     n, me = jax.process_count(), jax.process_index()
     if n == 1:
-        return local, size  # its own peer: written twice, never changed
+        return local[0, :size], size  # its own peer: written twice, never changed
     mine = np.array([size, local.shape[1]], np.int64)
     lengths, widths = np.asarray(multihost_utils.process_allgather(mine)).reshape(n, 2).T
     width = int(widths.max())  # the same shape on every process, and from one snapshot to the next

@@ -476,3 +476,16 @@ def test_each_snapshot_file_is_mapped_once_and_unmapped_when_it_is_no_longer_kep
     assert len(made) == 3 and not any("deleted" in f for f in _mapped_snapshot_files(folder))
     writer.close(remove=True)
     assert _mapped_snapshot_files(folder) == []
+
+
+def test_the_copy_for_the_peer_is_padded_to_whole_mebibytes_and_comes_back_as_it_was():
+    """``outgoing``: the file's parts one after the other, padded with zeros to a multiple of ``ROW_STEP``
+    (one shape from one snapshot to the next, so that the ``ppermute`` compiles once); what ``received``
+    gives is the parts' bytes (one process: its own peer)."""
+    from nnx_shard._checkpoint._snapshot_peer import ROW_STEP, exchange, outgoing, received
+
+    shards = np.arange(ROW_STEP + 5, dtype=np.int64).astype(np.uint8)
+    parts = [shards, np.frombuffer(b'{"step": 3}', np.uint8)]
+    row, size = outgoing(parts)
+    assert row.shape == (1, 2 * ROW_STEP) and size == ROW_STEP + 5 + 11 and not row[0, size:].any()
+    assert bytes(received(exchange((row, size), [0]))) == b"".join(p.tobytes() for p in parts)
