@@ -197,8 +197,10 @@ class SnapshotWriter:
         done, need = self._finished, 1
         if done is not None and done.packed_s is not None and self._steps_s:  # a step: the median of the last
             need = min(step - last_step - 1, math.ceil(done.packed_s / statistics.median(self._steps_s)) + 1)
-        votes = gather_json([mine, max(need, 1)])
-        return any(v[0] for v in votes), max(v[1] for v in votes)
+        # one collective of two integers (gather_json takes two: the lengths, then the bytes)
+        votes = np.asarray(multihost_utils.process_allgather(np.array([mine, max(need, 1)], np.int64)))
+        busy, after = votes.reshape(-1, 2).T
+        return bool(busy.any()), int(after.max())
 
     def write(self, step: int, states: Any, data_state: Any = None, *, skip_if_busy: bool = False) -> bool:
         """Starts the snapshot of ``step`` (every process calls it at the same step) and returns.
