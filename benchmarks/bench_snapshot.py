@@ -74,17 +74,21 @@ def where_the_time_goes(states, repeats: int = 5) -> dict[str, object]:
         total.append(time.perf_counter() - began)
         phases.append(writer.phases)
     writer.close(remove=True)
-    by_phase = {
+    return {
+        "on_path_ms": min(on_path) * 1e3,
+        "background_ms": (min(total) - min(on_path)) * 1e3,
+        "phases_ms": median_phases(phases),
+    }
+
+
+def median_phases(phases: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each phase's median ms over snapshots' ``SnapshotWriter.phases`` (the last one's phases named)."""
+    return {
         where: {
             name: round(1e3 * statistics.median(p[where].get(name, 0.0) for p in phases), 3)
             for name in phases[-1][where]
         }
         for where in phases[-1]
-    }
-    return {
-        "on_path_ms": min(on_path) * 1e3,
-        "background_ms": (min(total) - min(on_path)) * 1e3,
-        "phases_ms": by_phase,
     }
 
 
@@ -137,17 +141,13 @@ def worker(mb: int, steps: int, rounds: int, step_s: float, out: str) -> None:
                 writer.close(remove=r == rounds - 1)
     if jax.process_index() == 0:
         ratios = [t / t0 for t, t0 in zip(times[10], times[0], strict=True)]
-        median = {
-            where: {k: round(1e3 * statistics.median(p[where].get(k, 0.0) for p in phases), 3) for k in keys}
-            for where, keys in ((w, list(phases[-1][w])) for w in phases[-1])
-        }
         with open(f"{out}.json", "w") as f:
             json.dump(
                 {
                     "ratio_every_10": round(statistics.median(ratios), 4),
                     "by_round": ratios,
                     "step_ms": step_s * 1e3,
-                    "phases_ms": median,
+                    "phases_ms": median_phases(phases),
                 },
                 f,
             )

@@ -230,7 +230,8 @@ class SnapshotWriter:
             # memory kinds): copied now, before the next step may donate them, into the file's pages
             self._reuse(tmp)  # elsewhere made ready in the background
             laps.lap("folder")
-            snapshot.pages = self._pages(tmp / "own.bin", size)  # summed from in the background
+            # mapped since its last write, or by the last write's background (the step then only copies)
+            snapshot.pages = self._maps.pages(tmp / "own.bin", size)  # summed from in the background
             snapshot.ready = True
             copy_in(snapshot.pages, pieces, snapshot.sources)
             snapshot.sources = None
@@ -321,11 +322,6 @@ class SnapshotWriter:
             tmp.mkdir()
         (tmp / "own.bin").touch()
 
-    def _pages(self, path: Path, size: int) -> np.ndarray:
-        """``path``'s first ``size`` bytes, mapped: kept from its last write, or by the last write's
-        background thread when it is the file that was to be reused (the step's path then only copies)."""
-        return self._maps.pages(path, size)
-
     def _premap(self, size: int, steps: Sequence[int]) -> None:
         """Maps the oldest kept snapshot's file, which the next write reuses, without changing it (kept
         mapped from its last write once the writer has gone round), and unmaps the files no longer kept."""
@@ -345,7 +341,7 @@ class SnapshotWriter:
                 laps.lap("folder")
             own = snapshot.folder / "own.bin"
             # mapped on the step's path (CPU devices), or here: the pages the last write mapped for this one
-            buf = snapshot.pages if snapshot.pages is not None else self._pages(own, snapshot.size)
+            buf = snapshot.pages if snapshot.pages is not None else self._maps.pages(own, snapshot.size)
             snapshot.pages = None  # the mapping stays (self._maps): the next write into this file finds it
             laps.lap("map")
             if snapshot.staged is not None:  # the devices' own copies, now to the host
