@@ -128,7 +128,11 @@ def worker(mb: int, steps: int, rounds: int, step_s: float, out: str) -> None:
         for every in (0, 10):  # one writer per round, as one per train() call
             writer = SnapshotWriter(f"{out}_snapshots", keep=2) if every else None
             began = time.perf_counter()
-            for step in range(1, steps + 1):
+            # the steps go on from round to round, as a Trainer's from one train() call to the next (a writer
+            # that found its folder's snapshots newer than its own would reuse the wrong files first), and
+            # each round has its snapshots at the same of its steps
+            first = r * -(-steps // 10) * 10
+            for step in range(first + 1, first + steps + 1):
                 if writer is not None:
                     writer.poll(step - 1)  # before the step, as the Trainer's loop
                 time.sleep(step_s)

@@ -58,6 +58,7 @@ from nnx_shard._checkpoint._fingerprint_shares import device_shares
 from nnx_shard._checkpoint._snapshot_file import (
     HEADER,
     Layouts,
+    Left,
     Mappings,
     copy_in,
     header_bytes,
@@ -120,9 +121,10 @@ class SnapshotWriter:
 
     ``write`` starts a snapshot and returns; with several processes, ``poll``
     before each step sends the packed copy to the peer (every process calls both
-    at the same steps): before the step after the snapshot at first, then as many
-    steps later as the slowest process's last packing took (the processes agree
-    on it at each snapshot), so that the steps do not wait for the packing.
+    at the same steps): as many steps after the snapshot as the slowest process's
+    last packing took (the processes agree on it at each snapshot), so that the
+    steps do not wait for the packing; before the next step at a folder's first
+    (the writer of the last ``train()`` call leaves what it measured to the next).
     ``wait`` finishes the snapshot in flight; ``skipped`` counts the snapshots
     not taken because one was still being written, and :attr:`phases` says where
     the last finished one's time went.
@@ -148,11 +150,13 @@ class SnapshotWriter:
         self._current: _Snapshot | None = None  # the snapshot being written
         self.skipped = 0
         self.last_bytes = (0, 0)
-        self._maps = Mappings.left_in(self.folder)  # the kept snapshots' files, mapped; each write reuses one
+        left = Left.take(self.folder)  # from the last writer of this folder (the last train() call's)
+        self._maps = left.maps  # the kept snapshots' files, mapped; each write reuses one
         self._staging = Staging()
         self._layouts = Layouts()  # the last state's layout, remembered
         self._finished: _Snapshot | None = None  # the last snapshot whose write ended
-        self._last_write = 0  # the step of the last snapshot due
+        self._last_write = left.last_write  # the step of the last snapshot due
+        self._packed_before = left.packed_s  # the last writer's last packing: its seconds
         self._polled: tuple[int, float] | None = None  # the last poll's step, and when it returned
         self._steps_s: collections.deque[float] = collections.deque(maxlen=16)  # seconds between polls
 
@@ -194,9 +198,9 @@ class SnapshotWriter:
         mine, last_step, self._last_write = self.in_flight is not None, self._last_write, step
         if jax.process_count() == 1:  # its own peer: nothing waits
             return mine, 1
-        done, need = self._finished, 1
-        if done is not None and done.packed_s is not None and self._steps_s:  # a step: the median of the last
-            need = min(step - last_step - 1, math.ceil(done.packed_s / statistics.median(self._steps_s)) + 1)
+        packed, need = self._last_packed_s, 1
+        if packed is not None and self._steps_s:  # a step: the median of the last
+            need = min(step - last_step - 1, math.ceil(packed / statistics.median(self._steps_s)) + 1)
         # one collective of two integers (gather_json takes two: the lengths, then the bytes)
         votes = np.asarray(multihost_utils.process_allgather(np.array([mine, max(need, 1)], np.int64)))
         busy, after = votes.reshape(-1, 2).T
@@ -292,7 +296,12 @@ class SnapshotWriter:
             maps.clear()
             shutil.rmtree(self.folder, ignore_errors=True)
         elif len(maps):  # for the next train() call's writer
-            maps.leave(self.folder)
+            Left(maps, self._last_write, self._last_packed_s).leave(self.folder)
+
+    @property
+    def _last_packed_s(self) -> float | None:
+        """How long the last finished snapshot took to pack (the last writer's before this one's first)."""
+        return self._finished.packed_s if self._finished is not None else self._packed_before
 
     def _start(self, target: Any, *args: Any) -> None:
         self._job = self._worker.submit(target, *args)

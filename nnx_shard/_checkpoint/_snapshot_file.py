@@ -3,6 +3,7 @@ bytes copied in, each piece's share of its array's fingerprint, and reading it b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -204,24 +205,11 @@ class Mappings:
     A mapping is known by its file's inode, which the mapping holds open, so that a renamed file is found
     again and a number is never another file's. :meth:`keep` lets the mappings of files no longer kept go
     (their memory is freed only then), :meth:`clear` all of them. A writer that ends with its snapshots
-    kept leaves its mappings to the next writer of its folder (each ``train()`` call has its own):
-    :meth:`leave`, :meth:`left_in`.
+    kept leaves its mappings to the next writer of its folder (:class:`Left`).
     """
 
     def __init__(self) -> None:
         self._maps: dict[int, np.ndarray] = {}
-
-    @classmethod
-    def left_in(cls, folder: Path) -> Mappings:
-        """The mappings the last writer of ``folder`` left, or none; those left in another folder go."""
-        left = _LEFT.pop(folder, None)
-        _LEFT.clear()
-        return left if left is not None else cls()
-
-    def leave(self, folder: Path) -> None:
-        """Hands these mappings to the next writer of ``folder`` (one folder's are kept at a time)."""
-        _LEFT.clear()
-        _LEFT[folder] = self
 
     def pages(self, path: Path, size: int, *, resize: bool = True) -> np.ndarray:
         """``path``'s first ``size`` bytes, mapped: the kept mapping when there is one of that size (the file
@@ -248,4 +236,28 @@ class Mappings:
         return len(self._maps)
 
 
-_LEFT: dict[Path, Mappings] = {}  # the mappings a closed writer left, by its folder
+@dataclasses.dataclass
+class Left:
+    """What a writer that ends with its snapshots kept leaves the next writer of its folder (each
+    ``train()`` call has its own): its files' mappings, the step of its last snapshot, and how long that
+    one took to pack. With them the next writer's first snapshot neither maps its files afresh nor sends its
+    copy to the peer before its packing is likely done (the step before would wait for it)."""
+
+    maps: Mappings = dataclasses.field(default_factory=Mappings)
+    last_write: int = 0
+    packed_s: float | None = None
+
+    @classmethod
+    def take(cls, folder: Path) -> Left:
+        """What the last writer of ``folder`` left, or nothing; what was left in another folder goes."""
+        left = _LEFT.pop(folder, None)
+        _LEFT.clear()
+        return left if left is not None else cls()
+
+    def leave(self, folder: Path) -> None:
+        """Hands this to the next writer of ``folder`` (one folder's is kept at a time)."""
+        _LEFT.clear()
+        _LEFT[folder] = self
+
+
+_LEFT: dict[Path, Left] = {}  # what a closed writer left, by its folder

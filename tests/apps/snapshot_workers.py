@@ -34,9 +34,10 @@ def write(folder: str, domain: str = "") -> dict:
 
 
 def exchange_when_packed(folder: str) -> dict:
-    """Snapshots every 10 steps of 30 ms, each one's packing slowed by 0.15 s in the background: the step and
-    wait at which each snapshot's copy went to the peer, the bytes received, what the steps waited, and the
-    copy's programs built and compiled."""
+    """Snapshots every 10 steps of 30 ms, each one's packing slowed by 0.15 s in the background, then a
+    second writer (a next ``train()`` call) with one snapshot: the step and wait at which each snapshot's
+    copy went to the peer, the bytes received, what the steps waited, and the copy's programs built and
+    compiled."""
     import time
 
     import jax
@@ -73,14 +74,25 @@ def exchange_when_packed(folder: str) -> dict:
     waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
     peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
     sends = _snapshot_peer._ppermute(process_mesh(), tuple(writer.dest))
+    background = list(writer.phases["in_the_background"])
+    writer.close(remove=False)
+    writer = SnapshotWriter(folder, keep=2)  # the next train() call's: its steps go on
+    for step in range(51, 66):
+        at[0] = step - 1
+        writer.poll(step - 1)
+        time.sleep(0.03)
+        if step == 60:
+            taken.append(writer.write(step, states, skip_if_busy=True))
+    writer.close(remove=True)
     return {
         "taken": taken,
         "sent": sent,
         "waited": waited,
+        "next_call_waited": writer.phases["on_the_steps_path"]["packing_waited"],
         "peers": peers,
         "skipped": writer.skipped,
         "programs": [_snapshot_peer._ppermute.cache_info().misses, sends._cache_size()],
-        "background": list(writer.phases["in_the_background"]),
+        "background": background,
     }
 
 

@@ -51,21 +51,24 @@ def test_a_snapshots_copy_goes_to_the_peer_once_its_packing_has_had_the_steps_it
     """With several processes the copy to the peer waits for the packing. The first snapshot's goes before the
     next step, which waits; the later ones go as many steps later as the slowest process's last packing
     took (agreed at each snapshot, so every process sends at the same step), and the steps wait far less.
-    The copy's program is compiled once."""
+    The next train() call's writer starts from what the last one measured. The copy's program is compiled
+    once."""
     results, _ = multiprocess(
         "tests.apps.snapshot_workers:exchange_when_packed", 2, devices=2, args={"folder": str(tmp_path / "s")}
     )
     first, second = (r.ok() for r in results)
     assert first["sent"] == second["sent"]  # a collective: the same steps on both
-    assert first["taken"] == [True] * 4 and first["skipped"] == 0
+    assert first["taken"] == [True] * 5 and first["skipped"] == 0
     sent = first["sent"]
     assert sent[0] == 10  # before step 11: nothing measured yet
-    for snapshot, step in zip((20, 30, 40), sent[1:], strict=True):
+    # the next train() call's writer knows the last one's packing: its first copy waits for it as well
+    for snapshot, step in zip((20, 30, 40, 60), sent[1:], strict=True):
         assert snapshot + 1 < step < snapshot + 10, sent  # later, and before the next snapshot is due
     for pid, r in enumerate((first, second)):
         waited = r["waited"]
         assert waited[0] >= 0.1, waited  # the packing's 0.15 s, less the step before the copy
         assert max(waited[1:]) < waited[0] / 2, waited  # a step's seconds measured between the polls
+        assert r["next_call_waited"] < waited[0] / 2, r
         assert r["peers"] == [f"peer-{1 - pid}.bin"] * 2  # the 2 kept snapshots, each with the peer's copy
         assert r["programs"] == [1, 1]  # the copy's ppermute built and compiled once, for 4 lengths of copy
         # the copy for the peer made with the packing, off the step's path; what came back, after
