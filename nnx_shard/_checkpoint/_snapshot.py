@@ -145,6 +145,7 @@ class SnapshotWriter:
         self.dest = peers(all_domains)
         self.folder = snapshot_folder(self.directory, run, jax.process_index())
         self._discard = list(discard)  # folders of the run before, removed once this run has a snapshot
+        self._newest = max(self._steps(), default=0)  # the newest kept snapshot's step
         self._worker = Worker("nnx_shard-snapshot")  # the background work, one job at a time
         self._job: threading.Event | None = None  # set once the job in flight is done
         self._current: _Snapshot | None = None  # the snapshot being written
@@ -220,6 +221,10 @@ class SnapshotWriter:
         if jax.process_count() > 1 and skip_if_busy:
             laps.lap("agree")  # a collective
         self.wait()  # (counted with the layout) the snapshot before, when it is still being written
+        if step <= self._newest:  # the run restored an older step: the snapshots of the branch it left go, so
+            for newer in [s for s in self._steps() if s >= step]:  # that a restart never resumes from one
+                shutil.rmtree(self.folder / f"step-{newer}", ignore_errors=True)
+        self._newest = step
         shards, pieces, size, key = self._layouts(states)
         laps.lap("layout")
         staged = self._staging.stage(shards, key) if _accelerated(shards) else None
@@ -316,7 +321,7 @@ class SnapshotWriter:
         (its pages already allocated) renamed when ``keep`` are there; a new one otherwise."""
         self.folder.mkdir(parents=True, exist_ok=True)
         leftovers = [p for p in self.folder.glob(".step-*.tmp") if p != tmp]  # of a write that died
-        steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
+        steps = self._steps()
         reused = (
             leftovers[:1]
             or [self.folder / f"step-{s}" for s in steps[: max(len(steps) - self.keep + 1, 0)]][:1]
@@ -330,6 +335,10 @@ class SnapshotWriter:
         else:
             tmp.mkdir()
         (tmp / "own.bin").touch()
+
+    def _steps(self) -> list[int]:
+        """The steps of the snapshots kept here, oldest first."""
+        return sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
 
     def _premap(self, size: int, steps: Sequence[int]) -> None:
         """Maps the oldest kept snapshot's file, which the next write reuses, without changing it (kept
@@ -424,7 +433,7 @@ class SnapshotWriter:
             path.unlink()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # complete, or not there
-        steps = sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
+        steps = self._steps()
         for old in steps[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
         for old in self._discard:  # a restart's: the snapshots of the run before are superseded

@@ -130,6 +130,41 @@ def test_the_trainer_snapshots_every_n_steps_and_refuses_to_start_without_the_me
         again.train(batch_for)
 
 
+def test_after_a_restore_of_an_older_step_the_left_branchs_snapshots_are_not_kept(tmp_path, monkeypatch):
+    """A run that restores an older step and trains on leaves a branch: its snapshots newer than the step now
+    written go at that write, before it completes (a restart then would take the checkpoints), and the kept
+    snapshots are the new branch's only."""
+    from nnx_shard._checkpoint import _snapshot, storable, tree_fingerprints
+    from nnx_shard._checkpoint._snapshot_read import held
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    snap = tmp_path / "snap"
+    cfg = {**config(str(tmp_path / "run"), total_steps=20), "snapshot_every": 2, "snapshot_dir": str(snap)}
+    trainer = RegressionTrainer(cfg)
+    trainer.train(batch_for, steps=2)  # saved at its end
+    trainer.train(batch_for, steps=6)  # to step 8: snapshots 6 and 8 kept
+    folder = snap / "process-0"
+    assert sorted(held(folder)) == [6, 8]
+    trainer.restore_and_reshard(step=2)
+    seen = []
+    real = _snapshot.SnapshotWriter._reuse
+    # what is kept when a write starts, before anything of it is written
+    monkeypatch.setattr(
+        _snapshot.SnapshotWriter, "_reuse", lambda w, tmp: seen.append(sorted(held(folder))) or real(w, tmp)
+    )
+    live = {}
+    trainer.add_callback(lambda step, m, t: live.setdefault(step, tree_fingerprints(storable(t.states)[0])))
+    # steps 3 to 6 of the new branch, on other data: snapshots 4 and 6
+    trainer.train(lambda step: {k: v + 1.0 for k, v in batch_for(step).items()}, steps=4)
+    assert seen[0] == []  # at the write of step 4, before it completed, 6 and 8 were gone
+    assert sorted(held(folder)) == [4, 6]
+    header, _ = unpack(np.fromfile(folder / "step-6" / "own.bin", np.uint8))
+    sums = {}
+    for p in header["pieces"]:
+        sums[p["path"]] = (sums.get(p["path"], 0) + p["share"]) % 2**32
+    assert {path: f"{v:08x}" for path, v in sums.items()} == live[6]  # the new branch's step 6
+
+
 def test_a_snapshot_restores_onto_more_processes_than_it_had(tmp_path, multiprocess):
     import jax
 
