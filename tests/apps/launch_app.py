@@ -117,6 +117,11 @@ def recovered_event(workdir: Path) -> dict:
 FAULTS = ("step", "snapshot", "save", "restart")
 
 
+def branch_data(step: int) -> dict[str, np.ndarray]:
+    """The batches of the branch ``--rollback`` starts: not those of the run it left."""
+    return {k: v + 1.0 for k, v in batch_for(step, rows=ROWS).items()}
+
+
 def _die() -> None:
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -182,6 +187,12 @@ def main() -> None:
         default=0,
         help="first run: after STEP, resize onto process 0's devices alone",
     )
+    ap.add_argument(
+        "--rollback",
+        default="",
+        help="STEP:TO: first run, train to STEP, restore step TO and train on other data (--kill then "
+        "strikes on that branch); a restart goes on with that data",
+    )
     args = ap.parse_args()
     restart = info.restart if info is not None else 0
     RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")
@@ -199,6 +210,13 @@ def main() -> None:
             "shutdown_timeout": 5,
         }
     )
+    data = numbered_data(args.data) if args.data != "callable" else lambda step: batch_for(step, rows=ROWS)
+    if args.rollback:  # a branch: from step TO on, other data
+        if restart == 0:
+            until, to = (int(x) for x in args.rollback.split(":"))
+            trainer.train(data, steps=until)
+            trainer.restore_and_reshard(step=to)
+        data = branch_data
     if args.kill and restart == 0:
         who, at = (int(x) for x in args.kill.split(":"))
         if jax.process_index() == who:
@@ -216,7 +234,6 @@ def main() -> None:
             f.write_bytes(bytes(data))
     if args.hang_at >= 0:
         trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
-    data = numbered_data(args.data) if args.data != "callable" else lambda step: batch_for(step, rows=ROWS)
     if args.off_host_at and restart == 0:  # the others on standby: they join the saves, run no step
         trainer.train(data, steps=args.off_host_at)
         trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 0])

@@ -16,6 +16,7 @@ import nnx_shard as ns
 from tests.apps.launch_app import (
     ROWS,
     RecordingTrainer,
+    branch_data,
     job_events,
     numbered_data,
     recovered_event,
@@ -112,6 +113,24 @@ def test_kill_9_restarts_on_the_survivor_from_snapshots_and_matches_an_uninterru
     np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
     snapshots = workdir / "snapshots"  # the survivor's own of the run before, and the lost one's, are freed
     assert not (snapshots / "run-0").exists() or not list((snapshots / "run-0").iterdir())
+
+
+def test_a_restart_after_a_rollback_resumes_the_branch_not_the_snapshots_of_the_one_it_left(tmp_path):
+    """A run of 12 steps trains to step 8 (a snapshot every step, a checkpoint every 2), restores step 4 and
+    trains on other data; after that branch's step 7 a process is killed. The branch's save of step 6 set
+    the left run's checkpoints 6 and 8 aside; its snapshots of steps 7 and 8 are gone too (the code before
+    resumed from the left run's step 8), so the restart resumes from the branch's own snapshot and ends
+    where the same run without a death ends."""
+    workdir = tmp_path / "job"
+    done = run_job(workdir, 2, 4, "1:7", steps=12, extra=("--snapshot-every", "1", "--rollback", "8:4"))
+    result = finished(workdir, done, "process 1 killed by SIGKILL", 1, 4)
+    assert result["restored_from"] == "snapshot" and result["restored_step"] in (6, 7), result
+    reference = RegressionTrainer({**config(str(tmp_path / "ref"), total_steps=12), "save_every": 2})
+    reference.train(lambda s: batch_for(s, rows=ROWS), steps=8)
+    reference.restore_and_reshard(step=4)
+    reference.train(branch_data)
+    kernel = np.asarray(reference.states["model"]["out"]["kernel"].get_value()).ravel()
+    np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
 
 
 def test_a_snapshot_with_a_flipped_byte_is_refused_and_the_checkpoint_used(tmp_path):
