@@ -227,11 +227,9 @@ def main() -> None:
         for f in Path(args.workdir, "snapshots").glob(
             f"run-{restart - 1}/process-{info.previous_id}/*/*.bin"
         ):
-            data = bytearray(f.read_bytes())
-            data[8] ^= (
-                0xFF  # the first byte of the first piece (after the 8 bytes saying where the header is)
-            )
-            f.write_bytes(bytes(data))
+            raw = bytearray(f.read_bytes())
+            raw[8] ^= 0xFF  # the first byte of the first piece (after the 8 bytes saying where the header is)
+            f.write_bytes(bytes(raw))
     if args.hang_at >= 0:
         trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
     if args.off_host_at and restart == 0:  # the others on standby: they join the saves, run no step
