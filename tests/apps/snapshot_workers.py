@@ -74,7 +74,7 @@ def exchange_when_packed(folder: str) -> dict:
     waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
     peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
     sends = _snapshot_peer._ppermute(process_mesh(), tuple(writer.dest))
-    background = list(writer.phases["in_the_background"])
+    background, skipped = list(writer.phases["in_the_background"]), writer.skipped
     writer.close(remove=False)
     writer = SnapshotWriter(folder, keep=2)  # the next train() call's: its steps go on
     for step in range(51, 66):
@@ -90,7 +90,7 @@ def exchange_when_packed(folder: str) -> dict:
         "waited": waited,
         "next_call_waited": writer.phases["on_the_steps_path"]["packing_waited"],
         "peers": peers,
-        "skipped": writer.skipped,
+        "skipped": skipped + writer.skipped,
         "programs": [_snapshot_peer._ppermute.cache_info().misses, sends._cache_size()],
         "background": background,
     }

@@ -70,7 +70,7 @@ def test_a_snapshots_copy_goes_to_the_peer_once_its_packing_has_had_the_steps_it
         assert max(waited[1:]) < waited[0] / 2, waited  # a step's seconds measured between the polls
         assert r["next_call_waited"] < waited[0] / 2, r
         assert r["peers"] == [f"peer-{1 - pid}.bin"] * 2  # the 2 kept snapshots, each with the peer's copy
-        assert r["programs"] == [1, 1]  # the copy's ppermute built and compiled once, for 4 lengths of copy
+        assert r["programs"] == [1, 1]  # the copy's ppermute built and compiled once, for 5 lengths of copy
         # the copy for the peer made with the packing, off the step's path; what came back, after
         assert r["background"][-3:] == ["peer_copy", "peer", "publish"], r["background"]
 
