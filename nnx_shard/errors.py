@@ -266,6 +266,11 @@ class WorkdirLockedError(NnxShardError, RuntimeError):
     """A workdir that another live job is writing to; the message names the holder."""
 
 
+class StorageError(NnxShardError, ValueError):
+    """A workdir or checkpoint URI that cannot be used: a scheme nothing installed serves, a bucket that does
+    not exist, an operation the store does not offer. Raised before anything is written."""
+
+
 class StandbyError(NnxShardError, RuntimeError):
     """A process a resize left without devices lost the processes training: their ``train()`` raised, or
     JAX's coordination service stopped answering. The message says which and what they raised."""
@@ -317,6 +322,7 @@ __all__ = [
     "ShardingError",
     "StandbyError",
     "StateTypeError",
+    "StorageError",
     "TacticArgumentError",
     "TacticError",
     "TacticSyntaxError",

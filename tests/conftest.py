@@ -3,6 +3,7 @@ restored."""
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from pathlib import Path
@@ -82,3 +83,25 @@ def _flax_flags_restored():
     before = flax.config.flax_always_shard_variable
     yield
     flax.config.update("flax_always_shard_variable", before)
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """fake-gcs-server on 127.0.0.1 for this test process, every GCS client pointed at it (tests/bucket)."""
+    from tests.bucket import FakeGCS, point_at, restore_env
+
+    with FakeGCS() as gcs:
+        before = point_at(gcs.url)
+        try:
+            yield gcs
+        finally:
+            gc.collect()  # what still writes to the emulator (an open TensorBoard file) does it now
+            restore_env(before)
+
+
+@pytest.fixture
+def bucket(gcs_emulator):
+    """A new, empty bucket of the emulator: ``gs://<name>``."""
+    import uuid
+
+    return "gs://" + gcs_emulator.make_bucket(f"t-{uuid.uuid4().hex[:12]}")

@@ -296,6 +296,10 @@ EXAMPLES: dict[str, Example] = {
             "lock file if that job is certainly gone."
         ),
     ),
+    "StorageError": Example(
+        "Use a local folder or a `gs://` bucket that exists; for `gs://`, install the `gcs` extra (gcsfs).",
+        "ns.Checkpointer('ftpx://bucket/run')",
+    ),
     "StandbyError": Example(
         "Read what the training processes raised (the message carries it); restart the job.",
         template=(

@@ -15,9 +15,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 from jax.sharding import Mesh
 
+from nnx_shard._base import _storage as storage
 from nnx_shard._base import as_state
 from nnx_shard._checkpoint._directory import (
     checkpoint_directory,
@@ -117,12 +117,10 @@ class Checkpointer:
     ):
         if best_mode not in ("min", "max"):
             raise CheckpointError(f"best_mode must be 'min' or 'max'; got {best_mode!r}.")
-        # Local paths become absolute; URIs (gs://...) go to Orbax as they are.
-        self.directory = (
-            epath.Path(directory)
-            if "://" in str(directory)
-            else checkpoint_directory(epath.Path(Path(directory).absolute()))  # a Trainer's workdir too
-        )
+        # Local paths become absolute; a URI is checked (its scheme served, its bucket there) before use.
+        where = storage.location(directory)
+        storage.check_bucket(where)
+        self.directory = checkpoint_directory(where)  # a Trainer's workdir too
         self.best_metric = best_metric
         self.best_mode = best_mode
         self.verify = verify

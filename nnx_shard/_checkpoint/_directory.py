@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from nnx_shard._base import _storage as storage
 from nnx_shard._base import itemsize
 from nnx_shard._checkpoint._faults import describe, named, os_error, os_reason
 from nnx_shard._checkpoint._manifest import unreadable_json
@@ -101,12 +102,12 @@ def remove_unfinished(directory: Any, step: int) -> None:
 
 
 def move_steps(directory: Any, steps: Sequence[int], folder: Any) -> None:
-    """Moves step folders into ``folder`` (process 0); a rename, so nothing is copied or deleted."""
+    """Moves step folders into ``folder`` (process 0): on a disk a rename, so nothing is copied or deleted; in
+    a bucket a copy, then the deletion (see :func:`nnx_shard._base._storage.move_tree`)."""
     if jax.process_index() != 0 or not steps:
         return
-    folder.mkdir(parents=True, exist_ok=True)
     for step in steps:
-        (directory / str(step)).rename(folder / str(step))
+        storage.move_tree(directory / str(step), folder / str(step))
 
 
 def corrupted(directory: Any, step: int, what: str, others: list[int]) -> CheckpointCorruptError:

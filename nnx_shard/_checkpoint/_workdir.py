@@ -15,6 +15,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from etils import epath
+
+from nnx_shard._base import _storage as storage
 from nnx_shard.errors import CheckpointWarning, WorkdirLockedError
 
 logger = logging.getLogger("nnx_shard")
@@ -31,14 +34,89 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class _LocalFile:
+    """The lock as a local file: created by a hard link of a complete file, kept fresh by its mtime."""
+
+    def __init__(self, path: epath.Path):
+        self.path = Path(os.fspath(path))
+
+    def create(self, data: bytes, token: str) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{LOCK_FILE}.{token}")
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read(self) -> tuple[bytes, Any, float] | None:
+        try:
+            return self.path.read_bytes(), None, time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def take_over(self, version: Any, data: bytes, token: str) -> bool:
+        self.path.unlink(missing_ok=True)
+        return self.create(data, token)
+
+    def beat(self) -> bool:
+        try:
+            os.utime(self.path)
+            return True
+        except OSError:  # taken over or removed
+            return False
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class _Object:
+    """The lock as an object in a bucket: created only if absent (GCS ``ifGenerationMatch=0``), kept fresh and
+    taken over by a write conditional on the generation read, so two jobs can never both hold it."""
+
+    def __init__(self, path: epath.Path):
+        self.path = path
+        self.generation: str | None = None
+
+    def create(self, data: bytes, token: str) -> bool:
+        return self._put(data, "0")
+
+    def read(self) -> tuple[bytes, Any, float] | None:
+        return storage.read_versioned(self.path)
+
+    def take_over(self, version: Any, data: bytes, token: str) -> bool:
+        return self._put(data, version)
+
+    def _put(self, data: bytes, generation: str) -> bool:
+        try:
+            self.generation = storage.put_if(self.path, data, generation)
+            return True
+        except FileExistsError:  # another job wrote it first
+            return False
+
+    def beat(self) -> bool:
+        found = self.read()
+        return found is not None and found[1] == self.generation and self._put(found[0], self.generation)
+
+    def remove(self) -> None:
+        if self.generation is not None:
+            storage.delete_if(self.path, self.generation)
+
+
 class WorkdirLock:
-    """A lock file ``workdir/nnx_shard.lock`` naming its holder (host, pid, start time), kept fresh by a
-    heartbeat.
+    """A lock ``workdir/nnx_shard.lock`` naming its holder (host, pid, start time), kept fresh by a heartbeat,
+    in a local folder or a bucket (``gs://``).
 
     A lock whose holder is gone is taken over with a warning: on this host
     when its pid no longer runs, on any host when its heartbeat is older than
-    ``stale_after`` seconds. The file is created atomically (a hard link of a
-    complete file), so two jobs starting together cannot both win.
+    ``stale_after`` seconds. The lock is created atomically (locally a hard
+    link of a complete file; in a bucket an object written only if absent),
+    and a stale one is taken over by a write that succeeds only if nobody
+    changed it since it was read, so two jobs starting together cannot both
+    win, on one host or two.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -50,26 +128,26 @@ class WorkdirLock:
     >>> first.release(); WorkdirLock(d).acquire().release()
     """
 
-    def __init__(self, workdir: str | Path, *, stale_after: float = 300.0):
-        self.path = Path(workdir) / LOCK_FILE
+    def __init__(self, workdir: str | os.PathLike, *, stale_after: float = 300.0):
+        self.workdir = storage.location(workdir)
+        self.path = self.workdir / LOCK_FILE
+        self._file = _Object(self.path) if storage.is_uri(self.path) else _LocalFile(self.path)
         self.stale_after = float(stale_after)
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.held = False
 
-    def _holder(self) -> dict[str, Any] | None:
-        try:
-            info = json.loads(self.path.read_text())
-            info["age"] = time.time() - self.path.stat().st_mtime
-            return info if isinstance(info, dict) else None
-        except FileNotFoundError:
+    def _holder(self) -> tuple[dict[str, Any], Any] | None:
+        found = self._file.read()
+        if found is None:
             return None
-        except (OSError, ValueError):  # unreadable or half-written: judged by its age alone
-            try:
-                return {"age": time.time() - self.path.stat().st_mtime}
-            except FileNotFoundError:
-                return None
+        data, version, age = found
+        try:
+            info = json.loads(data)
+        except ValueError:  # half-written: judged by its age alone
+            info = {}
+        return {**(info if isinstance(info, dict) else {}), "age": age}, version
 
     def _gone(self, holder: dict[str, Any]) -> str | None:
         """Why the holder is gone (None while it is alive)."""
@@ -83,42 +161,37 @@ class WorkdirLock:
 
     def acquire(self) -> WorkdirLock:
         """Takes the lock, or raises :class:`WorkdirLockedError` naming the live holder."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        storage.check_bucket(self.workdir)
         info = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "token": self.token,
         }
+        data = json.dumps(info).encode()
         for _ in range(3):
-            tmp = self.path.with_name(f"{LOCK_FILE}.{self.token}")
-            tmp.write_text(json.dumps(info))
-            try:
-                os.link(tmp, self.path)
+            if self._file.create(data, self.token):
                 break
-            except FileExistsError:
-                holder = self._holder()
-                if holder is None:
-                    continue
-                why = self._gone(holder)
-                if why is None:
-                    raise WorkdirLockedError(
-                        f"workdir {self.path.parent} is in use by another job: host "
-                        f"{holder.get('host', '?')}, "
-                        f"pid {holder.get('pid', '?')}, started {holder.get('started', '?')} (lock file "
-                        f"{self.path}, heartbeat {holder['age']:.0f} s ago). Wait for it to end, use another "
-                        f"workdir, or delete the lock file if that job is certainly gone."
-                    ) from None
+            found = self._holder()
+            if found is None:
+                continue
+            holder, version = found
+            why = self._gone(holder)
+            if why is None:
+                raise WorkdirLockedError(
+                    f"workdir {self.workdir} is in use by another job: host {holder.get('host', '?')}, "
+                    f"pid {holder.get('pid', '?')}, started {holder.get('started', '?')} (lock file "
+                    f"{self.path}, heartbeat {holder['age']:.0f} s ago). Wait for it to end, use another "
+                    f"workdir, or delete the lock file if that job is certainly gone."
+                ) from None
+            if self._file.take_over(version, data, self.token):
                 warnings.warn(
-                    f"taking over the lock of workdir {self.path.parent} from host "
-                    f"{holder.get('host', '?')}, "
+                    f"taking over the lock of workdir {self.workdir} from host {holder.get('host', '?')}, "
                     f"pid {holder.get('pid', '?')} (started {holder.get('started', '?')}): {why}",
                     CheckpointWarning,
                     stacklevel=3,
                 )
-                self.path.unlink(missing_ok=True)
-            finally:
-                tmp.unlink(missing_ok=True)
+                break
         else:
             raise WorkdirLockedError(f"could not take the lock {self.path}: it kept changing hands.")
         self.held = True
@@ -131,9 +204,11 @@ class WorkdirLock:
     def _beat(self) -> None:
         while not self._stop.wait(max(0.05, self.stale_after / 4)):
             try:
-                os.utime(self.path)
-            except OSError:  # taken over or removed: the next acquire says so
-                return
+                if not self._file.beat():
+                    logger.warning("lock %s was taken over by another job; its heartbeat stops", self.path)
+                    return
+            except OSError as e:  # a storage hiccup: the next beat tries again
+                logger.warning("the heartbeat of lock %s failed (%s); trying again", self.path, e)
 
     def release(self) -> None:
         """Gives the lock back (idempotent); a lock taken over by another job is left to it."""
@@ -142,9 +217,9 @@ class WorkdirLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        holder = self._holder()
-        if holder is not None and holder.get("token") == self.token:
-            self.path.unlink(missing_ok=True)
+        found = self._holder()
+        if found is not None and found[0].get("token") == self.token:
+            self._file.remove()
         self.held = False
         atexit.unregister(self.release)
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from nnx_shard._base import _storage as storage
 from nnx_shard._base import flatten_with_paths, is_variable
 
 logger = logging.getLogger("nnx_shard")
@@ -80,6 +84,13 @@ class Observer:
     """Sends records and events to the terminal or stdout, ``metrics.jsonl`` and TensorBoard (from the
     mesh's first process: see :meth:`write_from`).
 
+    In a bucket workdir (``gs://...``), whose objects cannot be appended to,
+    ``metrics.jsonl`` is written whole every ``FLUSH_S`` seconds and at the
+    end of each ``train()`` call, however it ended (a crash loses the lines
+    since), and
+    TensorBoard's event file, written to a local temporary folder, is
+    uploaded whole at the same times.
+
     Args:
       workdir: where ``metrics.jsonl`` and ``tensorboard/`` go (None: nowhere).
       progress: ``"auto"`` (a bar when stderr is a terminal, lines otherwise),
@@ -87,10 +98,16 @@ class Observer:
       tensorboard: write TensorBoard events when tensorboardX is installed.
     """
 
+    FLUSH_S = 10.0  # seconds between writes of metrics.jsonl to a bucket
+
     def __init__(self, workdir: str | None, progress: str, tensorboard: bool = True):
         self.main = jax.process_index() == 0
-        local = workdir and "://" not in workdir  # metrics.jsonl is appended to: kept local for URIs
-        self.metrics_path = (Path(workdir) if local else Path(".")) / "metrics.jsonl" if workdir else None
+        self.metrics_path = storage.location(workdir) / "metrics.jsonl" if workdir else None
+        self._in_bucket = self.metrics_path is not None and storage.is_uri(self.metrics_path)
+        self._unwritten: list[str] = []  # lines a bucket's metrics.jsonl does not hold yet
+        self._written: bytes | None = None  # what it holds (read once, before the first write)
+        self._written_at = time.monotonic()
+        self._staging: str | None = None  # a bucket's TensorBoard files, written here first
         self.progress = progress
         self.use_tensorboard = tensorboard
         self._bar: Any = None
@@ -169,9 +186,33 @@ class Observer:
     def _append(self, record: dict[str, Any]) -> None:
         if self.metrics_path is None:
             return
+        line = json.dumps(record, default=str) + "\n"
+        if self._in_bucket:
+            self._unwritten.append(line)
+            if time.monotonic() - self._written_at > self.FLUSH_S:
+                self._write_bucket()
+            return
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+            f.write(line)
+
+    def _write_bucket(self) -> None:
+        """Brings a bucket workdir up to date: ``metrics.jsonl`` written whole (what an earlier run left, then
+        every line since), and TensorBoard's event files uploaded from their local staging folder."""
+        if self.metrics_path is None or not self._in_bucket:
+            return
+        if self._unwritten:
+            if self._written is None:
+                self._written = self.metrics_path.read_bytes() if self.metrics_path.exists() else b""
+            data = self._written + "".join(self._unwritten).encode()
+            storage.write_bytes(self.metrics_path, data)
+            self._written, self._unwritten = data, []
+        if self._writer:
+            self._writer.flush()
+        if self._staging is not None:
+            for f in sorted(Path(self._staging).iterdir()):
+                storage.write_bytes(self.metrics_path.parent / "tensorboard" / f.name, f.read_bytes())
+        self._written_at = time.monotonic()
 
     def _tensorboard(self) -> Any:
         if self._writer is None:
@@ -181,18 +222,25 @@ class Observer:
                     from tensorboardX import SummaryWriter
                 except ImportError:
                     return None
-                self._writer = SummaryWriter(str(self.metrics_path.parent / "tensorboard"), flush_secs=10)
+                folder = os.fspath(self.metrics_path.parent / "tensorboard")
+                if self._in_bucket:  # written here, uploaded whole with metrics.jsonl
+                    self._staging = folder = tempfile.mkdtemp(prefix="nnx_shard-tensorboard-")
+                    weakref.finalize(self, shutil.rmtree, folder, True)
+                self._writer = SummaryWriter(folder, flush_secs=int(self.FLUSH_S))
                 weakref.finalize(self, self._writer.close)  # kept open across train() calls: closed with us
         return self._writer or None
 
     def finish(self) -> None:
-        """The end of a ``train()`` call: closes the bar and flushes TensorBoard's event file to disk.
+        """The end of a ``train()`` call: closes the bar and flushes TensorBoard's event file to disk (to a
+        bucket workdir, with ``metrics.jsonl``).
 
         The file stays open for the next call (one file per Trainer): opening and closing a writer costs
         milliseconds a call, which a loop of short ``train()`` calls would pay each time.
         """
         self._close_bar()
-        if self._writer:
+        if self._in_bucket:
+            self._write_bucket()
+        elif self._writer:
             self._writer.flush()
 
     def close(self) -> None:
@@ -200,7 +248,11 @@ class Observer:
         self._close_bar()
         if self._writer:
             self._writer.close()
+        self._write_bucket()
         self._writer = None
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
     def _close_bar(self) -> None:
         if self._bar is not None:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from nnx_shard._base import _storage as storage
 from nnx_shard._base import mesh_processes
 from nnx_shard._checkpoint import (
     Snapshots,
@@ -108,7 +109,8 @@ class Recovery:
 
     def _root(self) -> Path:
         """``config.snapshot_dir``, or a folder of this workdir's own under ``/dev/shm``."""
-        job = hashlib.sha256(os.path.abspath(self.workdir or "nnx_shard").encode()).hexdigest()[:12]
+        where = os.fspath(storage.location(self.workdir or "nnx_shard"))
+        job = hashlib.sha256(where.encode()).hexdigest()[:12]
         return Path(self.config.snapshot_dir or default_snapshot_dir(job))
 
     def _previous_folder(self) -> Path | None:

@@ -112,6 +112,7 @@ ERRORS = (
     "ShardingConflictError",
     "ShardingError",
     "StateTypeError",
+    "StorageError",
     "TacticArgumentError",
     "TacticError",
     "TacticSyntaxError",

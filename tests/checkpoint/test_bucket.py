@@ -1,0 +1,314 @@
+"""Checkpoints and workdirs in a bucket (gs://), against fake-gcs-server on 127.0.0.1: what a local disk
+does, with no local litter, no second writer, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import fsspec
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import nnx_shard as ns
+from nnx_shard._base import _storage as storage
+from nnx_shard._checkpoint._workdir import WorkdirLock
+from nnx_shard.placement import abstract_target
+from tests.apps.trainer_app import MLP, RegressionTrainer, batch_for, config, digest
+from tests.bucket import flip_byte
+
+ROOT = Path(__file__).resolve().parents[2]
+FSDP = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
+
+
+def objects(uri: str) -> dict[str, int]:
+    """Every object under ``uri``: its name below it -> its size."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache()
+    return {name[len(path) + 1 :]: fs.info(name)["size"] for name in fs.find(path)}
+
+
+def sync(workdir: str, **extra) -> dict:
+    return {**config(workdir), "async_save": False, **extra}
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """The test runs in an empty folder of its own, which must stay empty (no local ``gs:`` litter)."""
+    folder = tmp_path / "cwd"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    yield folder
+    assert sorted(os.listdir(folder)) == []
+
+
+def mesh(n: int):
+    return ns.create_mesh((n,), ("fsdp",), devices=jax.devices()[:n])
+
+
+def values(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# -- the Checkpointer and plain Orbax ---------------------------------------------------------------
+
+
+def test_a_verified_save_restores_onto_4_devices_and_a_flipped_byte_is_named(bucket, elsewhere):
+    model = MLP(nnx.Rngs(0), width=32)
+    with ns.Checkpointer(f"{bucket}/ck", async_save=False) as ckpt:
+        assert ckpt.save(3, {"model": model}, mesh=mesh(8))
+    fresh = MLP(nnx.Rngs(1), width=32)
+    report = ns.restore_and_reshard(f"{bucket}/ck", {"model": fresh}, FSDP, mesh(4))
+    assert report.step == 3 and "fingerprints" in report.saved  # verified as it was read
+    for got, want in zip(values(nnx.state(fresh)), values(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert fresh.l2.kernel.get_value().sharding.mesh.devices.size == 4
+    data = sorted(n for n in objects(f"{bucket}/ck/3") if "/d/" in n)
+    flip_byte(f"{bucket}/ck/3/{data[-1]}")
+    before = values(nnx.state(fresh))
+    with pytest.raises(ns.CheckpointCorruptError, match="step 3"):
+        ns.restore_and_reshard(f"{bucket}/ck", {"model": fresh}, FSDP, mesh(4))
+    assert all(np.array_equal(a, b) for a, b in zip(values(nnx.state(fresh)), before, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_plain_orbax_checkpoints_in_a_bucket_restore_onto_4_devices(bucket, elsewhere):
+    model = MLP(nnx.Rngs(0), width=32)
+    with ocp.CheckpointManager(f"{bucket}/orbax") as manager:
+        manager.save(7, args=ocp.args.StandardSave(nnx.state(model)))
+        manager.wait_until_finished()
+    fresh = MLP(nnx.Rngs(1), width=32)
+    report = ns.restore_and_reshard(f"{bucket}/orbax", {"model": fresh}, FSDP, mesh(4))
+    assert report.step == 7 and "plain Orbax" in str(report)
+    for got, want in zip(values(nnx.state(fresh)), values(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+# -- bad input: named before anything is written -----------------------------------------------------
+
+
+def test_a_bucket_that_does_not_exist_is_named_before_anything_is_written(gcs_emulator, elsewhere):
+    with pytest.raises(ns.StorageError, match=r"the bucket gs://no-such-bucket does not exist"):
+        ns.Checkpointer("gs://no-such-bucket/ck")
+    with pytest.raises(ns.StorageError, match=r"gs://no-such-bucket does not exist"):
+        RegressionTrainer(sync("gs://no-such-bucket/run", total_steps=2))  # at once, not at the first save
+
+
+@pytest.mark.parametrize(
+    "uri, names",
+    [("ftpx://bkt/run", "not one etils.epath serves"), ("s3://bkt/run", "no client for s3:// is installed")],
+)
+def test_a_scheme_nothing_installed_serves_is_named(uri, names, elsewhere):
+    pytest.importorskip("gcsfs")
+    if uri.startswith("s3") and _installed("s3fs"):
+        pytest.skip("s3fs is installed here")
+    with pytest.raises(ns.StorageError, match=names):
+        ns.Checkpointer(uri)
+    with pytest.raises(ns.StorageError, match=names):
+        RegressionTrainer(sync(uri, total_steps=2))
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+# -- one writer per bucket workdir -------------------------------------------------------------------
+
+
+def hold_lock(workdir: str, cwd: Path, env: dict) -> subprocess.Popen:
+    """Another job holding ``workdir``'s lock, started in another folder (as on another host)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from nnx_shard._checkpoint._workdir import WorkdirLock; "
+            f"WorkdirLock({workdir!r}, stale_after=2).acquire(); print('held', flush=True); time.sleep(120)",
+        ],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_job_on_a_bucket_workdir_is_refused_naming_the_holder(
+    bucket, gcs_emulator, tmp_path, elsewhere
+):
+    workdir = f"{bucket}/run"
+    other = tmp_path / "other-host"
+    other.mkdir()
+    holder = hold_lock(workdir, other, gcs_emulator.env)
+    try:
+        time.sleep(3)  # past stale_after=2: its heartbeat keeps it fresh
+        trainer = RegressionTrainer(sync(workdir, total_steps=2, lock_stale_after=2.0))
+        with pytest.raises(ns.WorkdirLockedError, match=rf"in use by another job: host .*, pid {holder.pid}"):
+            trainer.train(batch_for)
+        assert trainer.step == 0 and "checkpoints/" not in " ".join(objects(workdir))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert os.listdir(other) == []  # no local lock file where the holder started
+    with pytest.warns(
+        ns.CheckpointWarning, match=rf"taking over the lock .*pid {holder.pid}.*no longer runs"
+    ):
+        trainer.train(batch_for)
+    assert trainer.step == 2 and "nnx_shard.lock" not in objects(workdir)  # released when train() returns
+
+
+def test_a_stale_lock_is_taken_over_by_exactly_one_of_two_jobs(bucket, elsewhere):
+    lock = storage.location(f"{bucket}/run/nnx_shard.lock")
+    storage.put_if(lock, json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}).encode(), "0")
+    time.sleep(1.2)
+    won, refused = [], []
+
+    def take(i: int) -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ns.CheckpointWarning)
+                won.append(WorkdirLock(f"{bucket}/run", stale_after=1.0).acquire())
+        except ns.WorkdirLockedError as e:
+            refused.append(e)
+
+    takers = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    for t in takers:
+        t.start()
+    for t in takers:
+        t.join()
+    assert len(won) == 1 and len(refused) == 1, (won, refused)
+    holder = json.loads(storage.read_versioned(lock)[0])
+    assert holder["token"] == won[0].token
+    time.sleep(2.5)  # the winner's heartbeat keeps it fresh past stale_after
+    assert storage.read_versioned(lock)[2] < 1.0
+    with pytest.raises(ns.WorkdirLockedError):
+        WorkdirLock(f"{bucket}/run", stale_after=1.0).acquire()
+    won[0].release()
+    assert storage.read_versioned(lock) is None
+
+
+# -- setting a damaged step aside without a rename ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(gcs_emulator):
+    """A run in a bucket workdir that saved steps 5 and 10, and its final state's digest."""
+    workdir = "gs://" + gcs_emulator.make_bucket("finished") + "/run"
+    trainer = RegressionTrainer(sync(workdir, total_steps=10, save_every=5, max_to_keep=None))
+    trainer.train(batch_for)
+    return workdir, digest(trainer), objects(f"{workdir}/checkpoints")
+
+
+def copy_run(finished_run, bucket) -> str:
+    fs, src = fsspec.core.url_to_fs(finished_run[0])
+    fs.invalidate_cache()
+    fs.copy(src, storage.key(f"{bucket}/run"), recursive=True)
+    fs.invalidate_cache()
+    return f"{bucket}/run"
+
+
+def test_resume_auto_sets_a_damaged_newest_step_aside_in_a_bucket_and_keeps_its_objects(
+    finished_run, bucket, elsewhere
+):
+    workdir = copy_run(finished_run, bucket)
+    data = sorted(n for n in objects(f"{workdir}/checkpoints/10") if "ocdbt.process_0/d/" in n)
+    flip_byte(f"{workdir}/checkpoints/10/{data[0]}")
+    damaged = objects(f"{workdir}/checkpoints/10")
+    trainer = RegressionTrainer(sync(workdir, total_steps=10, resume="auto", max_to_keep=None))
+    with pytest.warns(ns.CheckpointWarning, match=r"set aside steps \[10\] .*rejected.*step 5 was restored"):
+        trainer.train(batch_for)
+    assert trainer.restored_step == 5 and digest(trainer) == finished_run[1]  # the same run, bitwise
+    aside = objects(f"{workdir}/checkpoints.set_aside")
+    (kind,) = {n.split("/")[0] for n in aside}
+    assert kind.startswith("rejected-")
+    assert {n.split("/", 2)[2]: s for n, s in aside.items()} == damaged  # every object kept, as it was
+    again = RegressionTrainer(sync(workdir, total_steps=10, resume="auto", max_to_keep=None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ns.CheckpointWarning)  # the bad step is not tried again
+        again.train(batch_for)
+    assert again.restored_step == 10 and digest(again) == finished_run[1]
+
+
+@pytest.mark.parametrize("crash", ["after the copy", "after the markers went"])
+def test_a_crash_while_setting_aside_leaves_the_step_readable(
+    finished_run, bucket, crash, monkeypatch, elsewhere
+):
+    workdir = copy_run(finished_run, bucket)
+    fs = storage.filesystem(workdir)
+    calls = []
+    real_rm = fs.rm
+
+    def dying_rm(paths, *a, **k):
+        calls.append(paths)
+        if crash == "after the copy" or len(calls) == 2:
+            raise KeyboardInterrupt("killed")  # stands for kill -9: nothing after it runs
+        return real_rm(paths, *a, **k)
+
+    monkeypatch.setattr(fs, "rm", dying_rm)
+    ckpt = ns.Checkpointer(f"{workdir}/checkpoints", async_save=False)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.set_aside([10], kind="rejected", why="a test")
+    monkeypatch.undo()
+    (folder,) = {n.split("/")[0] for n in objects(f"{workdir}/checkpoints.set_aside")}
+    aside = ns.Checkpointer(f"{workdir}/checkpoints.set_aside/{folder}", async_save=False)
+    assert aside.all_steps() == [10]  # the copy is whole: it restores
+    abstract = RegressionTrainer(sync(workdir, total_steps=10))
+    abstract.init()
+    target = abstract_target(abstract.states, abstract.plan)
+    original = ns.Checkpointer(f"{finished_run[0]}/checkpoints", async_save=False).restore(10, target)[1]
+    kept = aside.restore(10, target)[1]  # the copy is whole: it restores, verified, as saved
+    assert all(np.array_equal(a, b) for a, b in zip(values(kept), values(original), strict=True))
+    fresh = ns.Checkpointer(f"{workdir}/checkpoints", async_save=False)
+    assert fresh.all_steps() == ([5, 10] if crash == "after the copy" else [5])
+    if crash == "after the copy":  # still whole where it was, too
+        where = fresh.restore(10, target)[1]
+        assert all(np.array_equal(a, b) for a, b in zip(values(where), values(original), strict=True))
+
+
+# -- metrics.jsonl and TensorBoard in the workdir ----------------------------------------------------
+
+
+def test_metrics_and_tensorboard_go_to_the_bucket_workdir_and_a_resume_adds_to_them(bucket, elsewhere):
+    workdir = f"{bucket}/run"
+    RegressionTrainer(sync(workdir, total_steps=3, save_every=3)).train(batch_for)
+    later = RegressionTrainer(sync(workdir, total_steps=5, save_every=5, resume="auto"))
+    later.train(batch_for)
+    fs, path = fsspec.core.url_to_fs(f"{workdir}/metrics.jsonl")
+    fs.invalidate_cache()
+    records = [json.loads(line) for line in fs.cat_file(path).decode().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # both runs', in order
+    events = sorted(n for n in objects(f"{workdir}/tensorboard") if "tfevents" in n)
+    assert len(events) == 2  # one file per Trainer
+    losses = []
+    for name in events:
+        losses += tensorboard_losses(fs.cat_file(f"{storage.key(workdir)}/tensorboard/{name}"))
+    assert sorted(step for step, _ in losses) == [1, 2, 3, 4, 5]
+    logged = sorted((r["step"], r["loss"]) for r in records if "loss" in r)
+    assert [v for _, v in sorted(losses)] == pytest.approx([v for _, v in logged], rel=1e-6)
+
+
+def tensorboard_losses(data: bytes) -> list[tuple[int, float]]:
+    """The (step, loss) scalars of an event file's bytes (TFRecord framing: length, crc, record, crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    losses = []
+    while data:
+        n = int.from_bytes(data[:8], "little")
+        event = Event.FromString(data[12 : 12 + n])
+        data = data[16 + n :]
+        losses += [(event.step, v.simple_value) for v in event.summary.value if v.tag == "loss"]
+    return losses
