@@ -44,6 +44,7 @@ def run_job(
     timeout: float = 240,
     extra: tuple[str, ...] = (),
     restarts: int = 1,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """This app under ``nnx-shard launch`` (``restarts`` restarts, 1 s grace), process:step ``kill`` killing
     itself; ``extra``: more of the app's options (``--snapshot-every``, ``--flip``, ``--fault``)."""
@@ -56,7 +57,7 @@ def run_job(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(ROOT)},
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "HOME": str(ROOT), **(env or {})},
     )
 
 
@@ -173,6 +174,9 @@ def main() -> None:
         help="PROCESS:STEP: that process kills itself (SIGKILL) after STEP, first run only",
     )
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument(
+        "--bucket", default="", help="the Trainer's workdir, a gs:// URI (the app's files stay local)"
+    )
     ap.add_argument("--step-timeout", type=float, default=0.0)
     ap.add_argument("--hang-at", type=int, default=-1)
     ap.add_argument("--save-every", type=int, default=2)
@@ -198,7 +202,7 @@ def main() -> None:
     RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")
     trainer = RecordingTrainer(
         {
-            **config(args.workdir, total_steps=args.steps),
+            **config(args.bucket or args.workdir, total_steps=args.steps),
             "save_every": args.save_every,
             "width": args.width,
             "snapshot_every": args.snapshot_every,

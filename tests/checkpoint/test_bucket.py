@@ -312,3 +312,50 @@ def tensorboard_losses(data: bytes) -> list[tuple[int, float]]:
         data = data[16 + n :]
         losses += [(event.step, v.simple_value) for v in event.summary.value if v.tag == "loss"]
     return losses
+
+
+# -- the pod case: processes under nnx-shard launch, the workdir in the bucket ------------------------
+
+
+@pytest.mark.multihost
+def test_a_pod_job_in_a_bucket_restarts_on_one_process_and_reads_each_example_once(
+    bucket, gcs_emulator, tmp_path, elsewhere
+):
+    from tests.apps.launch_app import run_job, seen
+    from tests.cluster.test_launch import finished, uninterrupted_on_numbered_data
+
+    local, workdir = tmp_path / "job", f"{bucket}/run"
+    local.mkdir()  # the app's own files (what each process fed, the result); the workdir is the bucket
+    extra = ("--data", "elastic", "--bucket", workdir)
+    done = run_job(local, 2, 4, "1:5", extra=extra, timeout=400, env=gcs_emulator.env)
+    result = finished(local, done, "process 1 killed by SIGKILL", 1, 4)  # 2 x 4 devices, then 1 x 4
+    assert result["restored_step"] == 4  # the newest checkpoint in the bucket
+    history, expected = uninterrupted_on_numbered_data(tmp_path)
+    got = {**seen(local, 0, range(1, 5)), **seen(local, 1, range(5, 9))}
+    assert got == expected  # each example once: none twice, none skipped
+    np.testing.assert_allclose(
+        [result["losses"][str(s)] for s in range(5, 9)], [history[s] for s in range(5, 9)], rtol=1e-4
+    )
+    saved = objects(f"{workdir}/checkpoints")
+    assert {n.split("/")[0] for n in saved} == {"4", "6", "8"}  # max_to_keep's newest, in the bucket
+    fs, path = fsspec.core.url_to_fs(f"{workdir}/metrics.jsonl")
+    fs.invalidate_cache()
+    records = [json.loads(line) for line in fs.cat_file(path).decode().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "recovered"] == [4]  # the restart, from step 4
+    assert not (ROOT / "gs:").exists() and "nnx_shard.lock" not in objects(workdir)
+
+
+@pytest.mark.slow
+def test_the_vit_example_trains_saves_and_resumes_with_its_workdir_in_a_bucket(bucket, elsewhere):
+    from tests.scenarios.test_vit_example import train
+
+    workdir = f"{bucket}/vit"
+    common = ("--workdir", workdir, "--total-steps", "4", "--batch-size", "32")
+    first = train(*common, "--steps", "2", "--devices", "8")
+    assert first["final_step"] == 2
+    second = train(*common, "--steps", "4", "--devices", "4", "--resume")
+    assert second["restore"] == "restored step 2, saved on 8 devices (fsdp=8), onto 4 devices (fsdp=4)"
+    assert second["eval_after_restore"]["eval_loss"] == pytest.approx(first["eval"]["eval_loss"], rel=1e-5)
+    saved = objects(workdir)
+    assert "metrics.jsonl" in saved and any(n.startswith("checkpoints/4/") for n in saved)
+    assert not (ROOT / "gs:").exists()
