@@ -1,6 +1,7 @@
 """What every layer stands on: partition specs, paths, meshes, caches, private JAX, bytes and tables."""
 
 # _versions first: a jax/flax pair that cannot import is named before anything imports flax
+from nnx_shard._base import _storage as storage
 from nnx_shard._base import _versions  # noqa: F401
 from nnx_shard._base._blocks import (
     Block,
@@ -139,6 +140,7 @@ __all__ = [
     "shard_shape",
     "spec_axes",
     "spec_problems",
+    "storage",
     "threefry_kernel",
     "trim_spec",
     "visible",

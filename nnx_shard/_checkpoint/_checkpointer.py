@@ -17,8 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from nnx_shard._base import _storage as storage
-from nnx_shard._base import as_state
+from nnx_shard._base import as_state, storage
 from nnx_shard._checkpoint._directory import (
     checkpoint_directory,
     move_failed,

@@ -12,8 +12,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._base import _storage as storage
-from nnx_shard._base import itemsize
+from nnx_shard._base import itemsize, storage
 from nnx_shard._checkpoint._faults import describe, named, os_error, os_reason
 from nnx_shard._checkpoint._manifest import unreadable_json
 from nnx_shard.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError

@@ -17,7 +17,7 @@ from typing import Any
 
 from etils import epath
 
-from nnx_shard._base import _storage as storage
+from nnx_shard._base import storage
 from nnx_shard.errors import CheckpointWarning, WorkdirLockedError
 
 logger = logging.getLogger("nnx_shard")

@@ -18,8 +18,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_shard._base import _storage as storage
-from nnx_shard._base import flatten_with_paths, is_variable
+from nnx_shard._base import flatten_with_paths, is_variable, storage
 
 logger = logging.getLogger("nnx_shard")
 

@@ -15,8 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from nnx_shard._base import _storage as storage
-from nnx_shard._base import mesh_processes
+from nnx_shard._base import mesh_processes, storage
 from nnx_shard._checkpoint import (
     Snapshots,
     SnapshotWriter,

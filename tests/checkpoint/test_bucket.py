@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import nnx_shard as ns
-from nnx_shard._base import _storage as storage
+from nnx_shard._base import storage
 from nnx_shard._checkpoint._workdir import WorkdirLock
 from nnx_shard.placement import abstract_target
 from tests.apps.trainer_app import MLP, RegressionTrainer, batch_for, config, digest
