@@ -100,7 +100,7 @@ docs: $(DOCS_STAMP)
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) examples/vit/demo.py
 
-BENCHES := create infer init reshard resize resize_hosts restore step guard idioms recovery snapshot load tpu vit suggest
+BENCHES := create infer init reshard resize resize_hosts restore bucket step guard idioms recovery snapshot load tpu vit suggest
 
 bench: $(STAMP)
 	cd benchmarks && for b in $(BENCHES); do JAX_PLATFORMS=cpu ../$(PY) bench_$$b.py --out results/bench_$$b.json || exit 1; done

@@ -113,6 +113,22 @@ class FakeGCS:
         self.stop()
 
 
+class RealBucket:
+    """The same face over a real bucket (``NNX_SHARD_TEST_BUCKET=gs://my-bucket``): each "bucket" a new prefix
+    in it, the machine's own credentials, nothing started or pointed anywhere."""
+
+    url = None
+    env: dict[str, str] = {}  # noqa: RUF012 (read only)
+
+    def __init__(self, uri: str):
+        self.root = uri.removeprefix("gs://").rstrip("/")
+
+    def make_bucket(self, name: str) -> str:
+        import uuid
+
+        return f"{self.root}/{name}-{uuid.uuid4().hex[:8]}"
+
+
 def point_at(url: str) -> dict[str, str | None]:
     """Sets the emulator's environment in this process; returns what it replaced (for :func:`restore_env`)."""
     import fsspec

@@ -87,8 +87,13 @@ def _flax_flags_restored():
 
 @pytest.fixture(scope="session")
 def gcs_emulator():
-    """fake-gcs-server on 127.0.0.1 for this test process, every GCS client pointed at it (tests/bucket)."""
-    from tests.bucket import FakeGCS, point_at, restore_env
+    """fake-gcs-server on 127.0.0.1 for this test process, every GCS client pointed at it (tests/bucket);
+    with ``NNX_SHARD_TEST_BUCKET=gs://my-bucket`` set, that real bucket instead (each test a new prefix)."""
+    from tests.bucket import FakeGCS, RealBucket, point_at, restore_env
+
+    if os.environ.get("NNX_SHARD_TEST_BUCKET"):
+        yield RealBucket(os.environ["NNX_SHARD_TEST_BUCKET"])
+        return
 
     with FakeGCS() as gcs:
         before = point_at(gcs.url)

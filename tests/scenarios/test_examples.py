@@ -282,6 +282,13 @@ def check_recovery(r):
     )
 
 
+def check_bucket(r):
+    # the emulated bucket: both sides wrote and read every round, and each ratio is a real figure
+    assert r["rounds"] >= 2 and all(len(v) == r["rounds"] for v in r["seconds"].values())
+    assert r["save_ratio_vs_orbax"] > 0 and r["restore_ratio_vs_orbax"] > 0
+    assert r["storage"].startswith("fake-gcs-server on 127.0.0.1")
+
+
 BENCHMARKS = {
     "create": check_create,
     "recovery": check_recovery,
@@ -299,6 +306,7 @@ BENCHMARKS = {
     "guard": check_guard,
     "idioms": check_idioms,
     "restore": check_restore,
+    "bucket": check_bucket,
     "vit": check_vit,
 }
 
