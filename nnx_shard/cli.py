@@ -13,9 +13,9 @@ import sys
 import time
 import tomllib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from nnx_shard._base import storage
 from nnx_shard._cluster import launch
 from nnx_shard.errors import CLIError, NnxShardError
 
@@ -136,7 +136,7 @@ def _launch_parser(sub: Any) -> None:
 def _load_config(path: str | None) -> dict[str, Any]:
     if path is None:
         return {}
-    file = Path(path)
+    file = storage.location(path)  # a local file or a URI (gs://...)
     if not file.is_file():
         raise CLIError(f"config file {path!r} does not exist.")
     if file.suffix == ".toml":

@@ -14,8 +14,9 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from etils import epath
@@ -132,6 +133,104 @@ def write_bytes(path: epath.Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def list_files(folder: epath.Path) -> dict[str, int]:
+    """Every file under ``folder``: its ``/``-joined name below it -> its size. In a bucket one listing."""
+    if is_uri(folder):
+        fs, base = filesystem(folder), key(folder).rstrip("/")
+        fs.invalidate_cache()
+        return {name[len(base) + 1 :]: int(info["size"]) for name, info in fs.find(base, detail=True).items()}
+    root = os.fspath(folder)
+    out = {}
+    for where, _, files in os.walk(root):
+        for f in files:
+            full = os.path.join(where, f)
+            out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
+    return out
+
+
+def read_many(folder: epath.Path, names: Iterable[str]) -> dict[str, bytes | None]:
+    """The bytes of each file ``folder/name`` (None for one that is missing); in a bucket fetched
+    concurrently, in one call."""
+    names = list(names)
+    if not is_uri(folder):
+        out: dict[str, bytes | None] = {}
+        for name in names:
+            try:
+                out[name] = (folder / name).read_bytes()
+            except FileNotFoundError:
+                out[name] = None
+        return out
+    fs, base = filesystem(folder), key(folder).rstrip("/")
+    got = fs.cat([f"{base}/{n}" for n in names], on_error="return")
+    out = {}
+    for name in names:
+        value = got.get(f"{base}/{name}")
+        if isinstance(value, FileNotFoundError) or value is None:
+            out[name] = None
+        elif isinstance(value, BaseException):
+            raise value
+        else:
+            out[name] = bytes(value)
+    return out
+
+
+@contextlib.contextmanager
+def staged_folder(where: str | os.PathLike) -> Iterator[str]:
+    """A local folder to write ``where``'s files into: ``where`` itself when local; for a URI a temporary
+    folder whose files are uploaded there when the block ends without an error, then removed.
+
+    For writers that need a local path (safetensors, a PNG). What this process wrote is what it uploads.
+    """
+    target = location(where)
+    if not is_uri(target):
+        yield os.fspath(target)
+        return
+    check_bucket(target)
+    local = tempfile.mkdtemp(prefix="nnx_shard-upload-")
+    try:
+        yield local
+        fs = filesystem(target)
+        for name in sorted(list_files(epath.Path(local))):
+            fs.put_file(os.path.join(local, name), f"{key(target).rstrip('/')}/{name}")
+        fs.invalidate_cache()
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def fetched_folder(where: str | os.PathLike) -> Iterator[str]:
+    """A local copy of folder (or file) ``where`` for readers that need a local path (safetensors maps its
+    files): ``where`` itself when local; for a URI its objects downloaded into a temporary folder, removed
+    when the block ends."""
+    source = location(where)
+    if not is_uri(source):
+        yield os.fspath(where)
+        return
+    check_bucket(source)
+    fs, base = filesystem(source), key(source).rstrip("/")
+    fs.invalidate_cache()
+    local = tempfile.mkdtemp(prefix="nnx_shard-download-")
+    try:
+        if fs.isfile(base):
+            fs.get_file(base, os.path.join(local, source.name))
+            yield os.path.join(local, source.name)
+        else:
+            names = list_files(source)
+            if not names:
+                raise StorageError(f"{where} holds nothing to read (no objects under it).")
+            for name in names:
+                os.makedirs(os.path.dirname(os.path.join(local, name)), exist_ok=True)
+                fs.get_file(f"{base}/{name}", os.path.join(local, name))
+            yield local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def uri_of(local_file: str, local_root: str, where: str | os.PathLike) -> str:
+    """The name a file staged under ``local_root`` has once uploaded to ``where``."""
+    return os.fspath(where).rstrip("/") + "/" + os.path.relpath(local_file, local_root).replace(os.sep, "/")
 
 
 # -- objects with versions: what a lock on object storage stands on ------------------------------

@@ -319,6 +319,7 @@ class Checkpointer:
             with self._storage(None, StorageAction.SETTING_ASIDE):
                 move_steps(self.directory, steps, folder)
         barrier_sync(f"nnx_shard/set_aside/{kind}", timeout=self.barrier_timeout)
+        storage.refresh(self.directory)  # every process lists what process 0 moved
         self._reads.forget(steps)
         if steps:
             warnings.warn(

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 
+from nnx_shard._base import storage
+
 MANIFEST = "nnx_shard_files.json"
 SMALL_FILE_BYTES = 2**20
 
@@ -17,41 +19,33 @@ def write_file_manifest(step_dir: Any) -> None:
 
     Array content is covered by the fingerprints; this covers the small files
     (tree nodes, inline values and their copies) that Orbax may keep besides.
-    Only process 0 writes it.
+    Only process 0 writes it. In a bucket the step is listed once and its
+    small files fetched together.
     """
-    if jax.process_index() != 0 or not step_dir.exists() or (step_dir / MANIFEST).exists():
+    if jax.process_index() != 0 or not step_dir.exists():
         return
-    sums = {}
-    for f in _files(step_dir):
-        if f.name != MANIFEST and f.stat().length <= SMALL_FILE_BYTES:
-            sums[str(f.relative_to(step_dir))] = zlib.crc32(f.read_bytes())
-    (step_dir / MANIFEST).write_text(json.dumps(sums))
-
-
-def _files(folder: Any) -> list[Any]:
-    out = []
-    for entry in sorted(folder.iterdir()):
-        out.extend(_files(entry) if entry.is_dir() else [entry])
-    return out
+    files = storage.list_files(step_dir)
+    if MANIFEST in files:
+        return
+    small = sorted(n for n, size in files.items() if size <= SMALL_FILE_BYTES)
+    data = storage.read_many(step_dir, small)
+    sums = {n: zlib.crc32(b) for n, b in data.items() if b is not None}
+    storage.write_bytes(step_dir / MANIFEST, json.dumps(sums).encode())
 
 
 def changed_files(step_dir: Any) -> list[str]:
     """The small files of a step that differ from its manifest (empty without one)."""
-    manifest = step_dir / MANIFEST
-    if not manifest.exists():
+    raw = storage.read_many(step_dir, [MANIFEST])[MANIFEST]
+    if raw is None:
         return []
     try:
-        sums = json.loads(manifest.read_text())
+        sums = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return [MANIFEST]
     if not isinstance(sums, dict):
         return [MANIFEST]
-    changed = []
-    for name, crc in sums.items():
-        f = step_dir / name
-        if not f.exists() or zlib.crc32(f.read_bytes()) != crc:
-            changed.append(name)
-    return changed
+    data = storage.read_many(step_dir, list(sums))
+    return [name for name, crc in sums.items() if data[name] is None or zlib.crc32(data[name]) != crc]
 
 
 TREE_METADATA = "_METADATA"  # Orbax's tree metadata file in an item's folder

@@ -13,6 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from nnx_shard._base import storage
 from nnx_shard._checkpoint._directory import checkpoints_below, corrupted, read_limit, unreadable
 from nnx_shard._checkpoint._faults import storage_faults
 from nnx_shard._checkpoint._fingerprint import compile_ahead
@@ -86,6 +87,7 @@ class CheckpointReader:
 
     def all_steps(self) -> list[int]:
         """See :meth:`nnx_shard.Checkpointer.all_steps`."""
+        storage.refresh(self.directory)  # in a bucket, another process's saves and moves are seen
         if not self._exists():
             return []
         self.manager.reload()
@@ -124,7 +126,7 @@ class CheckpointReader:
             where = "" if self._exists() else " (the directory does not exist)"
             below = (
                 checkpoints_below(self.directory)
-                if self._exists() and "://" not in str(self.directory)
+                if self._exists() and not storage.is_uri(self.directory)
                 else []
             )
             hint = (

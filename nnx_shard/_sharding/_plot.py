@@ -3,12 +3,13 @@ layouts."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_shard._base import Kind, format_bytes
+from nnx_shard._base import Kind, format_bytes, storage
 from nnx_shard.errors import MissingExtraError
 
 PARTS = ("model (trainable)", "model (frozen)", "model", "optimizer", "EMA", "other")
@@ -90,5 +91,10 @@ def plot_plan(plan: Any, path: str, *, budget: int | None = None, top: int = 6) 
         spec = "replicated" if not leaf.sharded else str(tuple(leaf.spec))
         ax.set_title(f"{name}\n{spec}\n{rule}", fontsize=7)
     fig.suptitle(f"sharding plan on {plan.mesh.devices.size} devices: one colour per block held", fontsize=10)
-    fig.savefig(path)
+    if storage.is_uri(path):  # a bucket: drawn in memory, written as one object
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        storage.write_bytes(storage.location(path), buffer.getvalue())
+    else:
+        fig.savefig(path)
     return path

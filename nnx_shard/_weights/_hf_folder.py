@@ -12,17 +12,19 @@ each writes its own files (at least one each) and process 0 the index.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from nnx_shard._base import storage
 from nnx_shard.errors import WeightsMismatchError
 
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
@@ -94,6 +96,25 @@ def file_names(count: int, prefix: str = "model") -> list[str]:
     if count == 1:
         return [f"{prefix}.safetensors"]
     return [f"{prefix}-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+def through_storage(
+    path: str | os.PathLike[str], like: Any, write: Callable[[str, Any], list[str]]
+) -> list[str]:
+    """``write(folder, like)`` on local folders: a URI ``path`` (``gs://...``) is written to a local folder
+    first and uploaded, a URI ``like`` fetched first; returns the written files' names where they end."""
+    with contextlib.ExitStack() as stack:
+        if isinstance(like, (str, os.PathLike)) and storage.is_uri(like):
+            like = stack.enter_context(storage.fetched_folder(like))
+        if not storage.is_uri(path):
+            return write(os.fspath(path), like)
+        local = stack.enter_context(storage.staged_folder(path))
+        return [storage.uri_of(f, local, path) for f in write(local, like)]
+
+
+def needs_storage(path: Any, like: Any) -> bool:
+    """Whether ``path`` or ``like`` is a URI that :func:`through_storage` handles."""
+    return storage.is_uri(path) or (isinstance(like, (str, os.PathLike)) and storage.is_uri(like))
 
 
 def copy_side_files(like: Any, out: Path) -> list[str]:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnx_shard._base import Block, block_of_shard
+from nnx_shard._base import Block, block_of_shard, storage
 from nnx_shard._weights._file_views import file_views
 from nnx_shard._weights._keys import Rule, key_rules, mismatches, model_leaves, resolve_files, targets_of
 from nnx_shard._weights._peft import is_peft_folder, load_peft_adapters
@@ -223,6 +223,9 @@ def load_safetensors(
     """
     from safetensors import SafetensorError, safe_open
 
+    if isinstance(files, (str, os.PathLike)) and storage.is_uri(files):  # safetensors maps local files
+        with storage.fetched_folder(files) as local:
+            return load_safetensors(model, local, key_map, skip=skip, ignore=ignore, strict=strict)
     start = time.perf_counter()
     key_map, chosen = resolve_key_map(key_map, model, files)
     if is_peft_folder(files):
