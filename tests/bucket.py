@@ -157,3 +157,42 @@ def flip_byte(uri: str, offset: int = -1) -> None:
     data[offset] ^= 0xFF
     fs.pipe_file(path, bytes(data))
     fs.invalidate_cache()
+
+
+def take_together(workdir: str, stale_after: float, monkeypatch) -> tuple[list, list]:
+    """Two jobs take ``workdir``'s stale lock at once: each reads it before either writes (a barrier after
+    the read). Returns ``(locks won, WorkdirLockedErrors)``."""
+    import threading
+    import warnings
+
+    import nnx_shard as ns
+    from nnx_shard._checkpoint._workdir import WorkdirLock
+
+    barrier, real = threading.Barrier(2, timeout=30), WorkdirLock._holder
+    first_read: set[int] = set()
+
+    def holder_then_wait(self):
+        found = real(self)
+        if threading.get_ident() not in first_read:  # the first read only: both judge the same lock
+            first_read.add(threading.get_ident())
+            barrier.wait()
+        return found
+
+    monkeypatch.setattr(WorkdirLock, "_holder", holder_then_wait)
+    won, refused = [], []
+
+    def take() -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ns.CheckpointWarning)
+                won.append(WorkdirLock(workdir, stale_after=stale_after).acquire())
+        except ns.WorkdirLockedError as e:
+            refused.append(e)
+
+    takers = [threading.Thread(target=take) for _ in range(2)]
+    for t in takers:
+        t.start()
+    for t in takers:
+        t.join()
+    monkeypatch.setattr(WorkdirLock, "_holder", real)
+    return won, refused

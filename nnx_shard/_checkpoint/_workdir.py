@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import logging
@@ -54,12 +55,27 @@ class _LocalFile:
 
     def read(self) -> tuple[bytes, Any, float] | None:
         try:
-            return self.path.read_bytes(), None, time.time() - self.path.stat().st_mtime
+            st = self.path.stat()
+            return self.path.read_bytes(), (st.st_ino, st.st_mtime_ns), time.time() - st.st_mtime
         except FileNotFoundError:
             return None
 
     def take_over(self, version: Any, data: bytes, token: str) -> bool:
-        self.path.unlink(missing_ok=True)
+        """Moves the stale lock aside (a rename: one taker gets it), then creates ours. A lock that is not
+        the one read (another taker's, or a holder's heartbeat since) is put back and left to its holder."""
+        aside = self.path.with_name(f"{LOCK_FILE}.stale.{token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:  # another taker moved it first
+            return False
+        try:
+            st = aside.stat()
+            if (st.st_ino, st.st_mtime_ns) != version:
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, self.path)
+                return False
+        finally:
+            aside.unlink(missing_ok=True)
         return self.create(data, token)
 
     def beat(self) -> bool:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from nnx_shard._base import storage
 from nnx_shard._checkpoint._workdir import WorkdirLock
 from nnx_shard.placement import abstract_target
 from tests.apps.trainer_app import MLP, RegressionTrainer, batch_for, config, digest
-from tests.bucket import flip_byte
+from tests.bucket import flip_byte, take_together
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP = [(".*", "fsdp(axis='fsdp', min_size_to_shard_mb=0)")]
@@ -171,25 +170,11 @@ def test_a_second_job_on_a_bucket_workdir_is_refused_naming_the_holder(
     assert trainer.step == 2 and "nnx_shard.lock" not in objects(workdir)  # released when train() returns
 
 
-def test_a_stale_lock_is_taken_over_by_exactly_one_of_two_jobs(bucket, elsewhere):
+def test_a_stale_lock_is_taken_over_by_exactly_one_of_two_jobs(bucket, monkeypatch, elsewhere):
     lock = storage.location(f"{bucket}/run/nnx_shard.lock")
     storage.put_if(lock, json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}).encode(), "0")
     time.sleep(1.2)
-    won, refused = [], []
-
-    def take(i: int) -> None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ns.CheckpointWarning)
-                won.append(WorkdirLock(f"{bucket}/run", stale_after=1.0).acquire())
-        except ns.WorkdirLockedError as e:
-            refused.append(e)
-
-    takers = [threading.Thread(target=take, args=(i,)) for i in range(2)]
-    for t in takers:
-        t.start()
-    for t in takers:
-        t.join()
+    won, refused = take_together(f"{bucket}/run", 1.0, monkeypatch)
     assert len(won) == 1 and len(refused) == 1, (won, refused)
     holder = json.loads(storage.read_versioned(lock)[0])
     assert holder["token"] == won[0].token

@@ -383,6 +383,19 @@ def test_a_lock_without_heartbeat_from_another_host_is_taken_over(tmp_path):
         RegressionTrainer(sync(fresh, total_steps=1, lock_stale_after=30.0)).train(batch_for)
 
 
+def test_a_stale_lock_is_taken_over_by_exactly_one_of_two_jobs_that_read_it_together(tmp_path, monkeypatch):
+    from tests.bucket import take_together
+
+    lock = tmp_path / "nnx_shard.lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "then", "token": "t"}))
+    os.utime(lock, (0, 0))
+    won, refused = take_together(str(tmp_path), 30.0, monkeypatch)
+    assert len(won) == 1 and len(refused) == 1, (won, refused)
+    assert json.loads(lock.read_text())["token"] == won[0].token
+    won[0].release()
+    assert sorted(os.listdir(tmp_path)) == []  # nothing left beside it
+
+
 def test_a_later_trainer_in_the_same_process_takes_the_lock_again(tmp_path):
     RegressionTrainer(sync(tmp_path, total_steps=2)).train(batch_for)
     later = RegressionTrainer(sync(tmp_path, total_steps=4, resume="auto"))
