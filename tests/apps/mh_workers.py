@@ -243,3 +243,23 @@ def _key(layer: str, arrays: dict) -> str:
     """The flattened path of the model's ``layer`` kernel among ``arrays``' keys."""
     (key,) = [k for k in arrays if "'model'" in k and f"'{layer}'" in k and "'kernel'" in k]
     return key
+
+
+def train_in_a_bucket(workdir: str) -> dict:
+    """Worker: a Trainer with its workdir in a bucket trains to step 10 (saves at 5 and 10), resuming what is
+    there; returns what it restored, the state's digest, the steps every process lists after, and warnings."""
+    import warnings
+
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config, digest
+
+    cfg = {**config(workdir, total_steps=10), "save_every": 5, "async_save": False, "max_to_keep": None}
+    trainer = RegressionTrainer({**cfg, "resume": "auto"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ns.CheckpointWarning)
+        trainer.train(batch_for)
+    return {
+        "restored_step": trainer.restored_step,
+        "digest": digest(trainer),
+        "steps": trainer.checkpointer.all_steps(),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, ns.CheckpointWarning)],
+    }

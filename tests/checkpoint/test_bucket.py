@@ -395,3 +395,21 @@ def test_a_steps_file_manifest_in_a_bucket_is_one_listing_and_names_a_changed_fi
     assert set(sums) == small and changed_files(step) == []
     flip_byte(f"{bucket}/ck/1/meta/metadata", 0)
     assert changed_files(step) == ["meta/metadata"]
+
+
+@pytest.mark.multihost
+def test_two_processes_resume_past_a_damaged_newest_step_in_a_bucket(bucket, multiprocess, elsewhere):
+    workdir = f"{bucket}/run"
+    first, _ = multiprocess("tests.apps.mh_workers:train_in_a_bucket", 2, args={"workdir": workdir})
+    assert all(r.returncode == 0 for r in first), [r.log[-2000:] for r in first]
+    assert [r.value["steps"] for r in first] == [[5, 10], [5, 10]]
+    data = sorted(n for n in objects(f"{workdir}/checkpoints/10") if "/d/" in n)
+    flip_byte(f"{workdir}/checkpoints/10/{data[0]}")
+    again, _ = multiprocess("tests.apps.mh_workers:train_in_a_bucket", 2, args={"workdir": workdir})
+    assert all(r.returncode == 0 for r in again), [r.log[-2000:] for r in again]
+    # process 0 set step 10 aside; every process listed what it left, restored 5 and saved 10 again
+    assert [r.value["restored_step"] for r in again] == [5, 5]
+    assert [r.value["steps"] for r in again] == [[5, 10], [5, 10]]
+    assert any("set aside steps [10]" in w for w in again[0].value["warnings"])
+    assert {r.value["digest"] for r in again} == {first[0].value["digest"]}  # the same run, bitwise
+    assert any(n.startswith("rejected-") for n in objects(f"{workdir}/checkpoints.set_aside"))
