@@ -8,6 +8,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.pop("XLA_FLAGS", None)  # one mechanism only: the config below
+# gcsfs reads this once, at its import, whichever test imports it first: the bucket tests' emulator speaks
+# HTTP only, and gcsfs 2026.10 would try gRPC, 60 s a call (tests/bucket.py points every client there).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import jax
 import jax.numpy as jnp
