@@ -71,7 +71,8 @@ __all__ = [
     "suggest",
 ]
 
-# Names of the 2026-11-25 top level that moved into a namespace: they still resolve here, with one warning.
+# Names that moved from the top level into a namespace (see CHANGELOG): they still resolve here, with one
+# warning.
 MOVED = {
     name: namespace
     for namespace in (sharding, meshes, placement, resharding, cluster, weights)

@@ -313,15 +313,14 @@ def move_tree(source: epath.Path, target: epath.Path) -> None:
         source.rename(target)
         return
     fs = filesystem(source)
-    fs.invalidate_cache()
     src, dst = key(source).rstrip("/"), key(target).rstrip("/")
-    names = sorted(n[len(src) + 1 :] for n in fs.find(src))
-    if not names:
+    sizes = list_files(source)
+    if not sizes:
         raise FileNotFoundError(f"{source} holds no objects to move")
+    names = sorted(sizes)
     for name in _markers_last(names):
         fs.cp_file(f"{src}/{name}", f"{dst}/{name}")
-    copied = {n[len(dst) + 1 :]: fs.info(n)["size"] for n in fs.find(dst)}
-    sizes = {n: fs.info(f"{src}/{n}")["size"] for n in names}
+    copied = list_files(target)
     if copied != sizes:
         raise OSError(f"the copy of {source} in {target} is not whole: {sorted(set(sizes) ^ set(copied))}")
     fs.rm([f"{src}/{n}" for n in names if n in MARKERS])

@@ -9,8 +9,7 @@ from typing import Any
 
 from nnx_shard.errors import CheckpointError, ConflictingArgumentsError
 
-# the names before 2026-11-27: ``items`` (which objects) and ``item`` (a plain Orbax item) differed by a
-# letter
+# the old names of restore arguments, which still work with a DeprecationWarning (see CHANGELOG)
 RENAMED = {"items": "only", "item": "orbax_item"}
 
 

@@ -95,7 +95,8 @@ class _Object:
 
     def __init__(self, path: epath.Path):
         self.path = path
-        self.generation: str | None = None
+        self.generation: str | None = None  # of what this job wrote
+        self.data = b""
 
     def create(self, data: bytes, token: str) -> bool:
         return self._put(data, "0")
@@ -108,14 +109,13 @@ class _Object:
 
     def _put(self, data: bytes, generation: str) -> bool:
         try:
-            self.generation = storage.put_if(self.path, data, generation)
+            self.generation, self.data = storage.put_if(self.path, data, generation), data
             return True
         except FileExistsError:  # another job wrote it first
             return False
 
     def beat(self) -> bool:
-        found = self.read()
-        return found is not None and found[1] == self.generation and self._put(found[0], self.generation)
+        return self.generation is not None and self._put(self.data, self.generation)
 
     def remove(self) -> None:
         if self.generation is not None:

@@ -13,6 +13,7 @@ each writes its own files (at least one each) and process 0 the index.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -112,9 +113,21 @@ def through_storage(
         return [storage.uri_of(f, local, path) for f in write(local, like)]
 
 
-def needs_storage(path: Any, like: Any) -> bool:
-    """Whether ``path`` or ``like`` is a URI that :func:`through_storage` handles."""
-    return storage.is_uri(path) or (isinstance(like, (str, os.PathLike)) and storage.is_uri(like))
+def writes_through_storage(write: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    """Lets an export ``write(model, path, key_map=None, *, like=None, **options)`` take URIs for ``path`` and
+    ``like`` (see :func:`through_storage`); local paths go straight to it."""
+
+    @functools.wraps(write)
+    def exported(
+        model: Any, path: Any, key_map: Any = None, *, like: Any = None, **options: Any
+    ) -> list[str]:
+        if not storage.is_uri(path) and not (isinstance(like, (str, os.PathLike)) and storage.is_uri(like)):
+            return write(model, path, key_map, like=like, **options)
+        return through_storage(
+            path, like, lambda folder, source: write(model, folder, key_map, like=source, **options)
+        )
+
+    return exported
 
 
 def copy_side_files(like: Any, out: Path) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnx_shard._weights._hf_folder import needs_storage, through_storage, write_folder
+from nnx_shard._weights._hf_folder import write_folder, writes_through_storage
 from nnx_shard._weights._keys import Rule, file_shapes, host_value, key_rules, model_leaves, targets_of
 from nnx_shard._weights._lora import Adapter, find_adapters
 from nnx_shard._weights._transforms import full_ops, invert
@@ -87,6 +87,7 @@ def _source_shapes(like: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return file_shapes(like)
 
 
+@writes_through_storage
 def save_peft_adapters(
     model: Any,
     path: str | os.PathLike[str],
@@ -123,19 +124,6 @@ def save_peft_adapters(
     >>> [f.split("/")[-1] for f in written]
     ['adapter_model.safetensors', 'adapter_config.json']
     """
-    if needs_storage(path, like):  # a bucket: written here, then uploaded
-        return through_storage(
-            path,
-            like,
-            lambda folder, source: save_peft_adapters(
-                model,
-                folder,
-                key_map,
-                like=source,
-                base_model_name_or_path=base_model_name_or_path,
-                lora_scale=lora_scale,
-            ),
-        )
     key_map, _ = resolve_key_map(key_map, model, like)
     leaves = model_leaves(model)
     adapters = find_adapters(model, lora_scale)

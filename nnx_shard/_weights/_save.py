@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_shard._weights._file_views import DTYPES
-from nnx_shard._weights._hf_folder import DEFAULT_SHARD_SIZE, needs_storage, through_storage, write_folder
+from nnx_shard._weights._hf_folder import DEFAULT_SHARD_SIZE, write_folder, writes_through_storage
 from nnx_shard._weights._keys import (
     Rule,
     file_shapes,
@@ -50,6 +50,7 @@ def _file_names(regex: str, groups: dict[int, str]) -> str:
     return re.sub(r"\\(.)", r"\1", text).removeprefix("^").removesuffix("$")
 
 
+@writes_through_storage
 def save_safetensors(
     model: Any,
     path: str | os.PathLike[str],
@@ -108,22 +109,6 @@ def save_safetensors(
     >>> bool(np.array_equal(again.kernel.get_value(), model.kernel.get_value()))
     True
     """
-    if needs_storage(path, like):  # a bucket: written here, then uploaded
-        return through_storage(
-            path,
-            like,
-            lambda folder, source: save_safetensors(
-                model,
-                folder,
-                key_map,
-                like=source,
-                merge_lora=merge_lora,
-                lora_scale=lora_scale,
-                max_shard_size=max_shard_size,
-                skip=skip,
-                ignore=ignore,
-            ),
-        )
     key_map, _ = resolve_key_map(key_map, model, like)
     leaves = model_leaves(model)
     values = {p: v.get_value() for p, v in leaves.items()}
