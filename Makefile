@@ -11,7 +11,7 @@ LATEST_STAMP := $(LATEST)/.installed
 # whole suite stays under 15 minutes on 2 cores (13.5 min against 21.5 min in one process).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast test-slurm slow-list test-latest test-interop interop-install docs lint install bench chaos clean
+.PHONY: demo test test-fast test-slurm slow-list test-latest test-interop interop-install docs lint install bench chaos soak clean
 
 # The oldest supported jax, flax, optax and orbax-checkpoint, pinned (constraints/oldest.txt).
 OLDEST := constraints/oldest.txt
@@ -108,6 +108,11 @@ bench: $(STAMP)
 # A seeded campaign of kills and damaged checkpoints (100 trials, ~20 min on 2 cores); counts go to RESULTS.md.
 chaos: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) benchmarks/chaos.py --trials $(or $(TRIALS),100)
+
+# The multi-process snapshot, restart and rollback tests SOAK_RUNS times (30) beside a busy process per core:
+# runs, hangs, wrong values and the slowest run of each; the figure goes to RESULTS.md.
+soak: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) benchmarks/soak.py --runs $(or $(SOAK_RUNS),30) --out benchmarks/results/soak.json
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(INTEROP) build *.egg-info

@@ -7,14 +7,14 @@ peer copy is this process's own); each round gives a ratio against the Trainer
 without snapshots, and the median of the rounds is reported. Target:
 snapshot_every=10 costs at most 2%.
 
-Where a snapshot's time goes is measured apart, on the same state: the copy made
-on the step's path (CPU devices: straight into the snapshot file, before the next
-step may donate the buffers) and the work left to a background thread beside
-the next steps (each piece's fingerprint share, the header), each phase timed
-(``SnapshotWriter.phases``). At snapshot_every=1
+Where a snapshot's time goes is measured apart, from outside, on the same state:
+what ``write`` takes on the step's path (CPU devices: the agreement and the copy
+straight into the snapshot file, before the next step may donate the buffers)
+and what ``wait`` then waits for, the work left to a background thread beside
+the next steps (each piece's fingerprint share, the header). At snapshot_every=1
 a snapshot still being written when the next is due is skipped: the count is
 reported. On GPUs and TPUs a snapshot starts with one program per device that
-copies its shards and sums their fingerprint shares (``_snapshot_stage``):
+copies its shards and sums their fingerprint shares (``_snapshots._device``):
 XLA's bytes accessed by those programs, over one read and one write of the
 shards, says whether the shares are summed in the copy's pass (1.0) or in
 passes of their own (the CPU, which does not stage, compiles them for the figure).
@@ -22,9 +22,8 @@ passes of their own (the CPU, which does not stage, compiles them for the figure
 With several processes each snapshot also goes to a peer process. The ``two_processes`` part runs a
 job of 2 processes x 2 CPU devices (``nnx_shard.cluster.launch``) whose steps leave the host idle, as
 on a GPU (``time.sleep``; the CPUs here are too few for two processes' real steps to say anything),
-with a snapshot every 10 steps or none in alternating rounds: the ratio of the two, what a step waited
-for the packing before the peer's copy (``packing_waited``) and what sending the copy cost the step
-(``exchange``).
+with a snapshot every 10 steps or none in alternating rounds: the ratio of the two, and what the steps
+that start a snapshot (``write``) and send its copy to the peer (``poll``) took, timed around the calls.
 
     python benchmarks/bench_snapshot.py [--smoke]
 """
@@ -48,7 +47,7 @@ if not WORKER:
 import jax  # noqa: E402
 from bench_step import quiet_trainer  # noqa: E402
 
-from nnx_shard._checkpoint import SnapshotWriter, _snapshot_file, _snapshot_stage, snapshot_own_bytes  # noqa: E402
+from nnx_shard._snapshots import SnapshotWriter, _device, own_shards, snapshot_own_bytes  # noqa: E402
 
 
 def build(width, depth, rows, every):
@@ -58,13 +57,12 @@ def build(width, depth, rows, every):
 
 
 def where_the_time_goes(states, repeats: int = 5) -> dict[str, object]:
-    """One snapshot of ``states``, ``repeats`` times: ms on the step's path and in the background (the best
-    of each), and each phase's ms (the median; ``SnapshotWriter.phases``), on the path and in the
-    background."""
+    """One snapshot of ``states``, ``repeats`` times: ms on the step's path (``write``) and in the
+    background (what ``wait`` then waits for), the best of each."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # host memory, as the Trainer's snapshots
     writer = SnapshotWriter(tempfile.mkdtemp(prefix="bench_snapshot_", dir=shm), keep=2)
     writer.prepare(states)
-    on_path, total, phases = [], [], []
+    on_path, total = [], []
     for k in range(repeats):
         jax.block_until_ready(states)
         began = time.perf_counter()
@@ -72,35 +70,19 @@ def where_the_time_goes(states, repeats: int = 5) -> dict[str, object]:
         on_path.append(time.perf_counter() - began)
         writer.wait()
         total.append(time.perf_counter() - began)
-        phases.append(writer.phases)
     writer.close(remove=True)
-    return {
-        "on_path_ms": min(on_path) * 1e3,
-        "background_ms": (min(total) - min(on_path)) * 1e3,
-        "phases_ms": median_phases(phases),
-    }
-
-
-def median_phases(phases: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Each phase's median ms over snapshots' ``SnapshotWriter.phases`` (the last one's phases named)."""
-    return {
-        where: {
-            name: round(1e3 * statistics.median(p[where].get(name, 0.0) for p in phases), 3)
-            for name in phases[-1][where]
-        }
-        for where in phases[-1]
-    }
+    return {"on_path_ms": min(on_path) * 1e3, "background_ms": (min(total) - min(on_path)) * 1e3}
 
 
 def stage_traffic(states) -> float:
     """XLA's bytes accessed by the devices' stage programs (each shard's copy and its fingerprint share, as on
     GPUs and TPUs), over one read and one write of the shards: 1.0 when each shard is read once."""
-    shards = _snapshot_file.own_shards(states)
+    shards = own_shards(states)
     accessed = 0.0
-    for program, args in _snapshot_stage.stage_programs(shards).values():
+    for program, args in _device.stage_programs(shards).values():
         cost = program.lower(*args).compile().cost_analysis()
         accessed += (cost if isinstance(cost, dict) else cost[0])["bytes accessed"]
-    return accessed / (2 * sum(int(d.nbytes) for _, _, d, _ in shards))
+    return accessed / (2 * sum(int(s.data.nbytes) for s in shards))
 
 
 def snapshot_events(trainer) -> tuple[int, int]:
@@ -123,7 +105,7 @@ def worker(mb: int, steps: int, rounds: int, step_s: float, out: str) -> None:
     rows = mb * 2**20 // 4096
     data = jnp.arange(rows * 1024, dtype=jnp.float32).reshape(rows, 1024)
     states = {"w": jax.device_put(data, NamedSharding(mesh, PartitionSpec("fsdp")))}
-    times, phases = {0: [], 10: []}, []
+    times, calls = {0: [], 10: []}, {"write": [], "poll": []}
     for r in range(rounds):
         for every in (0, 10):  # one writer per round, as one per train() call
             writer = SnapshotWriter(f"{out}_snapshots", keep=2) if every else None
@@ -134,12 +116,15 @@ def worker(mb: int, steps: int, rounds: int, step_s: float, out: str) -> None:
             first = r * -(-steps // 10) * 10
             for step in range(first + 1, first + steps + 1):
                 if writer is not None:
+                    t = time.perf_counter()
                     writer.poll(step - 1)  # before the step, as the Trainer's loop
+                    if (step - 1) % every == 1:  # the poll that sends the copy to the peer
+                        calls["poll"].append(time.perf_counter() - t)
                 time.sleep(step_s)
                 if writer is not None and step % every == 0:
-                    if writer.phases:
-                        phases.append(writer.phases)
+                    t = time.perf_counter()
                     writer.write(step, states, skip_if_busy=True)
+                    calls["write"].append(time.perf_counter() - t)
             times[every].append(time.perf_counter() - began)  # to the last step's end, not the last write's
             if writer is not None:
                 writer.close(remove=r == rounds - 1)
@@ -151,7 +136,7 @@ def worker(mb: int, steps: int, rounds: int, step_s: float, out: str) -> None:
                     "ratio_every_10": round(statistics.median(ratios), 4),
                     "by_round": ratios,
                     "step_ms": step_s * 1e3,
-                    "phases_ms": median_phases(phases),
+                    "median_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in calls.items()},
                 },
                 f,
             )
@@ -210,7 +195,6 @@ def main() -> None:
         "ratios_every_10_by_round": [round(r, 4) for r in ratios[10]],
         "snapshot_ms_on_the_steps_path": round(where["on_path_ms"], 2),
         "snapshot_ms_in_the_background": round(where["background_ms"], 2),
-        "snapshot_phases_ms": where["phases_ms"],
         "stage_bytes_over_one_read_and_write": round(traffic, 3),
         "snapshots_taken_every_1": taken,
         "snapshots_skipped_every_1": skipped,

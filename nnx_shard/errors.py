@@ -271,6 +271,11 @@ class StorageError(NnxShardError, ValueError):
     not exist, an operation the store does not offer. Raised before anything is written."""
 
 
+class CollectiveMismatchError(NnxShardError, RuntimeError):
+    """The processes gathered at different collectives (one issued a collective the others did not); the
+    message names the site each process was at, and where its flight record was written."""
+
+
 class StandbyError(NnxShardError, RuntimeError):
     """A process a resize left without devices lost the processes training: their ``train()`` raised, or
     JAX's coordination service stopped answering. The message says which and what they raised."""
@@ -294,6 +299,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "CheckpointWarning",
+    "CollectiveMismatchError",
     "CompileError",
     "ConfigError",
     "ConflictingArgumentsError",

@@ -25,13 +25,13 @@ from nnx_shard._checkpoint import (
     OrbaxSource,
     ReadRequest,
     SafetensorsFolder,
-    Snapshots,
     Source,
     as_source,
     register_source,
     registered,
     unregister_source,
 )
+from nnx_shard._snapshots import Snapshots
 
 __all__ = [
     "CheckpointSource",

@@ -42,11 +42,12 @@ SLOW_MODULES = {
     "test_examples",
     "test_launch",
     "test_multihost",
+    "test_reader",
     "test_reliability",
-    "test_snapshot",
     "test_tpu",
     "test_trainer_jobs",
     "test_vit_example",
+    "test_writer",
 }
 
 

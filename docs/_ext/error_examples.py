@@ -300,6 +300,16 @@ EXAMPLES: dict[str, Example] = {
         "Use a local folder or a `gs://` bucket that exists; for `gs://`, install the `gcs` extra (gcsfs).",
         "ns.Checkpointer('ftpx://bucket/run')",
     ),
+    "CollectiveMismatchError": Example(
+        "Find the decision one process took alone (the message names each process's site and step; the "
+        "flight record lists their last collectives): every collective must follow from agreed values.",
+        template=(
+            "the processes were at different collectives when they gathered at 'snapshot.agree': process 0: "
+            "'snapshot.agree' (collective #{k}, step 10); process 1: 'snapshot.agree' (collective #{k}, "
+            "step 5). They parted at or before collective #{k}: one process issued a collective the others "
+            "did not (a decision taken from its own view). This process's last collectives are in {path}."
+        ),
+    ),
     "StandbyError": Example(
         "Read what the training processes raised (the message carries it); restart the job.",
         template=(

@@ -20,7 +20,6 @@ from nnx_shard._base._blocks import (
 from nnx_shard._base._bytes import format_bytes, format_table, parse_bytes
 from nnx_shard._base._caches import COMPILE_CLOCK, CompileClock, CompiledAhead, cached, clear_caches
 from nnx_shard._base._jax_private import abstract_construction, distributed_client, threefry_kernel
-from nnx_shard._base._laps import Laps
 from nnx_shard._base._mesh import (
     DEFAULT_AXIS_DIMS,
     DEFAULT_AXIS_NAMES,
@@ -61,7 +60,7 @@ from nnx_shard._base._specs import (
     spec_problems,
     trim_spec,
 )
-from nnx_shard._base._threads import Worker, in_threads
+from nnx_shard._base._threads import in_threads
 from nnx_shard._base._training_state import (
     EMA,
     MODEL,
@@ -85,12 +84,10 @@ __all__ = [
     "CompileClock",
     "CompiledAhead",
     "Kind",
-    "Laps",
     "Leaf",
     "Spec",
     "SpecEntry",
     "TrainingState",
-    "Worker",
     "abstract_construction",
     "as_state",
     "assemble",

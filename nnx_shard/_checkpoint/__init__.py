@@ -1,10 +1,19 @@
-"""Checkpoints: the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, and restores onto
-shardings."""
+"""Persistent checkpoints: the Checkpointer, reads, plain Orbax, faults, fingerprints, and restores onto
+shardings (the in-memory snapshots are ``_snapshots``, above this layer)."""
 
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._faults import quiet
+from nnx_shard._checkpoint._fingerprint_shares import (
+    block_base,
+    block_fingerprint,
+    block_share,
+    word_shape,
+    word_strides,
+)
 from nnx_shard._checkpoint._format import (
     abstract_target,
+    leaf_paths,
+    map_leaves,
     storable,
     tree_fingerprints,
 )
@@ -15,14 +24,11 @@ from nnx_shard._checkpoint._restore_options import RestoreOptions, RestoreReport
 from nnx_shard._checkpoint._source_checkpoint import CheckpointSource  # isort: skip
 from nnx_shard._checkpoint._source_safetensors import SafetensorsFolder  # isort: skip
 from nnx_shard._checkpoint._source_loaded import LoadedState, check_keys  # isort: skip
-from nnx_shard._checkpoint._source_snapshots import Snapshots  # isort: skip
 from nnx_shard._checkpoint._source_orbax import OrbaxSource  # isort: skip
-from nnx_shard._checkpoint._snapshot import SnapshotWriter, default_snapshot_dir, snapshot_folder
-from nnx_shard._checkpoint._snapshot_file import snapshot_own_bytes
-from nnx_shard._checkpoint._snapshot_read import Restored, restore_from_snapshots
 from nnx_shard._checkpoint._sources import (
     ReadRequest,
     Source,
+    SourceDefaults,
     as_source,
     register_source,
     registered,
@@ -38,25 +44,26 @@ __all__ = [
     "ReadRequest",
     "RestoreOptions",
     "RestoreReport",
-    "Restored",
     "SafetensorsFolder",
-    "SnapshotWriter",
-    "Snapshots",
     "Source",
+    "SourceDefaults",
     "WorkdirLock",
     "abstract_target",
     "as_source",
+    "block_base",
+    "block_fingerprint",
+    "block_share",
     "check_keys",
-    "default_snapshot_dir",
+    "leaf_paths",
+    "map_leaves",
     "quiet",
     "register_source",
     "registered",
     "renamed",
-    "restore_from_snapshots",
     "restore_onto",
-    "snapshot_folder",
-    "snapshot_own_bytes",
     "storable",
     "tree_fingerprints",
     "unregister_source",
+    "word_shape",
+    "word_strides",
 ]

@@ -38,7 +38,7 @@ from nnx_shard._checkpoint._format import (
 from nnx_shard._checkpoint._manifest import write_file_manifest
 from nnx_shard._checkpoint._reads import CheckpointReader, registry
 from nnx_shard._checkpoint._workdir import set_aside_folder
-from nnx_shard._cluster import barrier_sync
+from nnx_shard._cluster import agree, barrier_sync
 from nnx_shard._version import __version__
 from nnx_shard.errors import (
     CheckpointError,
@@ -246,12 +246,19 @@ class Checkpointer:
         return True
 
     def _skip_reason(self, step: int, force: bool) -> str | None:
+        """Why ``step`` is not saved, or None. A skip skips collectives (the fingerprints, Orbax's barrier),
+        so with several processes it is decided from every process's listing alike."""
         steps = self.all_steps()
-        if step in steps:
+        newest = max(steps, default=-1)
+        code = 1 if step in steps else 2 if step < newest and not force else 0
+        if jax.process_count() > 1:  # the processes' views, agreed: every process skips, or none
+            code, newest = (int(x) for x in agree("checkpoint.skip", [code, newest + 1], step=step).max(0))
+            newest -= 1
+        if code == 1:
             return f"step {step} is already saved there"
-        if steps and step < steps[-1] and not force:
+        if code == 2:
             return (
-                f"it is older than the newest step {steps[-1]}, and Orbax only writes newer steps "
+                f"it is older than the newest step {newest}, and Orbax only writes newer steps "
                 f"(a run that restored an older step sets the newer ones aside first; Trainer.train does)"
             )
         return None

@@ -51,7 +51,7 @@ from nnx_shard._checkpoint._fingerprint_shares import (
     word_strides,
     word_view,
 )
-from nnx_shard._cluster import gather_json
+from nnx_shard._cluster import gather_json, recorded
 
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
 SMALL_BYTES = 2**20
@@ -252,7 +252,8 @@ def _host(sums: jax.Array) -> np.ndarray:
     if not sums.is_fully_addressable:
         from jax.experimental import multihost_utils
 
-        sums = multihost_utils.process_allgather(sums, tiled=True)
+        with recorded("fingerprint.sums", -1, sums.shape):
+            sums = multihost_utils.process_allgather(sums, tiled=True)
     return np.asarray(sums)  # also waits: one collective program runs at a time
 
 
@@ -278,7 +279,8 @@ def fingerprints(arrays: Sequence[Any]) -> list[str]:
     holders = holding_processes(arrays) if jax.process_count() > 1 else set()
     if holders and len(holders) < jax.process_count():  # a mesh that leaves processes out (Trainer.resize)
         mine = _fingerprints(arrays) if jax.process_index() in holders else None
-        return gather_json(mine)[min(holders)]  # the processes holding them sum; every process hears it
+        # the processes holding them sum; every process hears it
+        return gather_json(mine, site="fingerprint.holders")[min(holders)]
     return _fingerprints(arrays)
 
 

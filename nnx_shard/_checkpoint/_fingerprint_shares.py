@@ -1,5 +1,5 @@
 """A block's share of an array's content fingerprint: summed on the host by NumPy
-(:func:`block_fingerprint`) or on the block's own device (:func:`block_share`, :func:`device_shares`).
+(:func:`block_fingerprint`) or traced on the block's own device (:func:`block_share`).
 
 The fingerprint (see ``_fingerprint``) is a 32-bit sum over the array's
 32-bit words, each weighted by an odd function of its global position. The
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_shard._base import cached, is_key
+from nnx_shard._base import is_key
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 _C1, _C2 = np.uint32(0x9E3779B1), np.uint32(0x7F4A7C15)  # numpy: importing must not start a backend
@@ -138,28 +138,3 @@ def block_base(start: Sequence[int], global_shape: Sequence[int], dtype: Any) ->
     """The global word index of a block's first word (what :func:`block_share` takes as ``base``)."""
     strides = word_strides(word_shape(global_shape, dtype))
     return sum(int(f) * st for f, st in zip(start, strides, strict=False)) % 2**32
-
-
-@cached(maxsize=256)
-def _block_program(global_shape: tuple[int, ...]) -> Any:
-    """``(block, base) -> share``: :func:`block_share` on the block's own device (``base`` is an argument:
-    one program for every block of one shape)."""
-    return jax.jit(lambda x, base: block_share(x, base, global_shape))
-
-
-def device_shares(blocks: Sequence[tuple[jax.Array, Sequence[int], Sequence[int]]]) -> list[jax.Array]:
-    """Each ``(block, start, global shape)``'s share of its array's fingerprint, dispatched on the block's own
-    device and not waited for (a uint32 scalar each; ``int()`` reads it). The shares of blocks tiling an
-    array add up to its fingerprint, as :func:`block_fingerprint`'s do.
-
-    >>> x = jnp.arange(24.0).reshape(4, 6)
-    >>> shares = device_shares([(x[:2], (0, 0), (4, 6))])
-    >>> [int(s) for s in shares] == [block_fingerprint(np.asarray(x[:2]), (0, 0), (4, 6))]
-    True
-    """
-    out = []
-    for data, start, shape in blocks:
-        base = block_base(start, shape, data.dtype)
-        device = next(iter(data.devices()))
-        out.append(_block_program(tuple(shape))(data, jax.device_put(np.uint32(base), device)))
-    return out

@@ -1,5 +1,6 @@
 """Processes and pods: the distributed runtime, the launcher, barriers, host-local data, TPU topologies."""
 
+from nnx_shard._cluster._collectives import RECORDER, FlightRecorder, agree, first_divergence, recorded
 from nnx_shard._cluster._coordination import (
     Keys,
     KeyValueStore,
@@ -32,17 +33,21 @@ __all__ = [
     "DEADLINE_EXCEEDED",
     "FAILED_AT",
     "PREVIOUS_PROCESSES",
+    "RECORDER",
     "STOPPED_AT",
     "CompileReport",
     "DataShard",
+    "FlightRecorder",
     "KeyValueStore",
     "Keys",
     "LaunchInfo",
+    "agree",
     "all_to_all",
     "barrier_sync",
     "compile_program",
     "data_shard",
     "data_sharding",
+    "first_divergence",
     "gather_json",
     "hbm_bytes",
     "host_local_to_global",
@@ -50,5 +55,6 @@ __all__ = [
     "launch",
     "launch_info",
     "process_mesh",
+    "recorded",
     "tpu_devices",
 ]

@@ -17,6 +17,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_shard._base import distributed_client
+from nnx_shard._cluster._collectives import agree, recorded
+
+PREFIX = 8  # bytes before each row of all_to_all: its length
 
 
 class Keys:
@@ -26,6 +29,8 @@ class Keys:
     ARRIVED = "nnx_shard_arrived/"  # + barrier id / process: it arrived
     WATCHDOG = "nnx_shard/watchdog/"  # + process: the section it entered last
     STANDBY = "nnx_shard/standby/"  # + resize generation / n: the leader's n-th message to standby processes
+    FLIGHT = "nnx_shard/flight/"  # + process: its last collectives, written when its watchdog fires
+    FLIGHT_DONE = "nnx_shard/flight_done/"  # + process: it wrote its timeout's message
 
 
 class KeyValueStore:
@@ -58,19 +63,22 @@ class KeyValueStore:
         self._client.wait_at_barrier(barrier_id, timeout_ms)
 
 
-def gather_json(value: Any) -> list[Any]:
-    """Every process's ``value`` (anything JSON holds), in process order: a collective of every process.
+def gather_json(value: Any, *, site: str = "gather_json", step: int = -1) -> list[Any]:
+    """Every process's ``value`` (anything JSON holds), in process order: a collective of every process,
+    its lengths agreed through :func:`agree` (``site`` and ``step`` name it there and in the flight record).
 
     >>> gather_json({"step": 3})  # one process
     [{'step': 3}]
     """
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
     if jax.process_count() == 1:
-        return [json.loads(data.tobytes())]
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).ravel()
+        with recorded(site, step, data.shape):
+            return [json.loads(data.tobytes())]
+    sizes = agree(site, [data.size], step=step)[:, 0]
     raw = np.zeros((int(sizes.max()),), np.uint8)
     raw[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(raw)).reshape(len(sizes), -1)
+    with recorded(f"{site}:bytes", step, raw.shape):
+        rows = np.asarray(multihost_utils.process_allgather(raw)).reshape(len(sizes), -1)
     return [json.loads(r[:size].tobytes()) for r, size in zip(rows, sizes, strict=True)]
 
 
@@ -81,7 +89,7 @@ def process_mesh() -> Mesh:
     return Mesh(np.array(first), ("p",))
 
 
-def all_to_all(chunks: list[bytes]) -> list[np.ndarray]:
+def all_to_all(chunks: list[bytes], *, site: str = "all_to_all", step: int = -1) -> list[np.ndarray]:
     """Sends ``chunks[q]`` to process ``q`` and returns what each process sent here, by one JAX all_to_all
     (a collective of every process).
 
@@ -91,17 +99,18 @@ def all_to_all(chunks: list[bytes]) -> list[np.ndarray]:
     n, me = jax.process_count(), jax.process_index()
     if n == 1:
         return [np.frombuffer(chunks[0], np.uint8)]
-    counts = np.array([len(c) for c in chunks], np.int64)
-    sizes = np.asarray(multihost_utils.process_allgather(counts)).reshape(n, n)
-    width = max(int(sizes.max()), 1)
+    width = int(agree(site, [max(len(c) for c in chunks) + PREFIX], step=step).max())
     rows = np.zeros((n, width), np.uint8)
-    for q, chunk in enumerate(chunks):
-        rows[q, : len(chunk)] = np.frombuffer(chunk, np.uint8)
+    for q, chunk in enumerate(chunks):  # each row: its length, then its bytes
+        rows[q, :PREFIX] = np.frombuffer(len(chunk).to_bytes(PREFIX, "little"), np.uint8)
+        rows[q, PREFIX : PREFIX + len(chunk)] = np.frombuffer(chunk, np.uint8)
     mesh, spec = process_mesh(), PartitionSpec("p")
     local = jax.device_put(rows, list(mesh.devices.flat)[me])
     whole = jax.make_array_from_single_device_arrays((n * n, width), NamedSharding(mesh, spec), [local])
     program = jax.shard_map(
         lambda x: jax.lax.all_to_all(x, "p", 0, 0, tiled=True), mesh=mesh, in_specs=spec, out_specs=spec
     )
-    got = np.asarray(jax.jit(program)(whole).addressable_shards[0].data)
-    return [got[s, : int(sizes[s, me])] for s in range(n)]
+    with recorded(f"{site}:bytes", step, (n, width)):
+        got = np.asarray(jax.jit(program)(whole).addressable_shards[0].data)
+    lengths = [int.from_bytes(bytes(r[:PREFIX]), "little") for r in got]
+    return [got[s, PREFIX : PREFIX + lengths[s]] for s in range(n)]

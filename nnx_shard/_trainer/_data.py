@@ -191,7 +191,7 @@ def decode_state(state: Any) -> Any:
 
 def gather_states(state: Any) -> list[Any]:
     """Every process's encoded data state, in process order (a list of one with a single process)."""
-    return gather_json(encode_state(state))
+    return gather_json(encode_state(state), site="data.states")
 
 
 def signature(batch: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -19,7 +19,8 @@ from typing import Any
 import jax
 
 from nnx_shard._base import COMPILE_CLOCK
-from nnx_shard._checkpoint import Checkpointer, SnapshotWriter
+from nnx_shard._checkpoint import Checkpointer
+from nnx_shard._snapshots import SnapshotWriter
 from nnx_shard._trainer import _data, _guard
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._observe import Observer
@@ -123,6 +124,7 @@ class TrainingLoop:
         self.observer.start(self.progress.step, end)
         run = StepLog(self.progress, self.config, self.observer, fns, history)
         start, spent = time.perf_counter(), dict(self.observer.timings)
+        failed = True  # until the call returns: an exception may be this process's alone
         try:
             self._steps(fns, batches, run, snapshots, eval_data, end)
             if not run.nonfinite:
@@ -130,8 +132,9 @@ class TrainingLoop:
             self.stop_reason = self.stop_reason or "finished"
             run.flush()
             self._save_at_end(fns, run)
+            failed = False
         finally:
-            self._finish(snapshots, run, previous, (start, spent, history))
+            self._finish(snapshots, run, previous, (start, spent, history), failed)
         return history
 
     def follow(self, fns: StepFunctions, resizing: Resizing) -> Any:
@@ -231,6 +234,7 @@ class TrainingLoop:
         run: StepLog,
         previous: Any,
         started: tuple[float, Any, list],
+        failed: bool = False,
     ) -> None:
         """After a ``train()`` call, however it ended: flush, wait for writes, restore SIGTERM, log the
         run."""
@@ -240,7 +244,7 @@ class TrainingLoop:
             snapshots is not None
         ):  # a job at its end frees their memory; a failed one keeps them for its restart
             done = self.stop_reason == "finished" and self.progress.step >= self.config.total_steps
-            snapshots.close(remove=done)
+            snapshots.close(remove=done, failed=failed)  # after an exception: no collective
         run.flush()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

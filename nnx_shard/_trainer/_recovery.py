@@ -16,15 +16,15 @@ import jax
 import ml_collections
 
 from nnx_shard._base import mesh_processes, storage
-from nnx_shard._checkpoint import (
+from nnx_shard._cluster import FAILED_AT, PREVIOUS_PROCESSES, STOPPED_AT, agree, launch_info
+from nnx_shard._live import ShardingHooks
+from nnx_shard._snapshots import (
     Snapshots,
     SnapshotWriter,
     default_snapshot_dir,
     snapshot_folder,
     snapshot_own_bytes,
 )
-from nnx_shard._cluster import FAILED_AT, PREVIOUS_PROCESSES, STOPPED_AT, launch_info
-from nnx_shard._live import ShardingHooks
 from nnx_shard._trainer import _data
 from nnx_shard._trainer._lineage import Lineage
 from nnx_shard._trainer._observe import Observer
@@ -133,8 +133,10 @@ class Recovery:
         checkpointer = self.lineage.checkpointer
         steps = checkpointer.all_steps() if checkpointer is not None else []
         previous = int(os.environ.get(PREVIOUS_PROCESSES, "0") or 0)
-        # a snapshot of the newest checkpoint's step is preferred: it is read from memory
-        got = Snapshots(self._previous_folder(), previous, after=max(steps, default=0) - 1)
+        # the newest checkpoint any process lists (the snapshots read are chosen from it: every process
+        # alike); a snapshot of its step is preferred: it is read from memory
+        newest = int(agree("recovery.newest", [max(steps, default=0)]).max())
+        got = Snapshots(self._previous_folder(), previous, after=newest - 1)
         try:
             self.hooks.restore_and_reshard(got)
         except NoCheckpointError:  # none complete and verified (every process alike): a checkpoint instead
@@ -178,7 +180,8 @@ class Recovery:
         if info is not None and info.restart > 0:  # its own, and a lost process's on the same host
             before = [info.previous_id] if info.previous_id is not None else []
             discard = [snapshot_folder(root, info.restart - 1, p) for p in [*before, *info.lost]]
-        writer = SnapshotWriter(root, keep=2, run=None if info is None else info.restart, discard=discard)
+        run = None if info is None else info.restart
+        writer = SnapshotWriter(root, keep=2, run=run, discard=discard, every=cfg.snapshot_every)
         need = writer.check_space(snapshot_own_bytes(self.hooks.states()))
         writer.prepare(self.hooks.states())  # the devices' programs, compiled while the first steps run
         logger.info(

@@ -12,6 +12,7 @@ can restart the job.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 import jax
 
-from nnx_shard._cluster import Keys, KeyValueStore
+from nnx_shard._cluster import RECORDER, Keys, KeyValueStore, first_divergence
 from nnx_shard.errors import DistributedNotInitializedError
 
 logger = logging.getLogger("nnx_shard")
@@ -66,6 +67,67 @@ def missing_processes(what: str) -> str:
     return "; " + ", ".join(behind) if behind else f"; all {n} processes entered it: one is hung inside"
 
 
+def flight_report(what: str) -> tuple[str, set[int]]:
+    """This process's flight record (its last collectives) written to a file, and, from the records every
+    process that also timed out left in the coordination service within ``ASK_S``, the first collective at
+    which they part; in words, for the timeout's message, with the processes heard from."""
+    path = RECORDER.dump(f"{what} timed out")
+    waiting = RECORDER.waiting()
+    inside = f"inside collective {waiting.named()}" if waiting is not None else "in no collective"
+    report = f"; this process is {inside} (its last collectives: {path})"
+    n = jax.process_count()
+    if n == 1:
+        return report, set()
+    mine = [{k: e[k] for k in ("sequence", "site", "step", "left")} for e in RECORDER.as_json()]
+    records: dict[int, Any] = {}
+
+    def exchange() -> None:
+        try:
+            store, me = KeyValueStore(), jax.process_index()
+            store.set(f"{Keys.FLIGHT}{me}", json.dumps(mine))
+            deadline = time.monotonic() + ASK_S
+            while time.monotonic() < deadline and len(records) < n:
+                for key, value in store.directory(Keys.FLIGHT).items():
+                    records[int(key.rstrip("/").rsplit("/", 1)[-1])] = json.loads(value)
+                time.sleep(POLL_S)
+        except (DistributedNotInitializedError, RuntimeError, ValueError) as e:
+            logger.debug("could not exchange flight records: %s", e)
+
+    thread = threading.Thread(target=exchange, daemon=True)
+    thread.start()
+    thread.join(ASK_S + 1)
+    if len(records) < 2:
+        return report + "; no other process's record came within the deadline", set(records)
+    heard = ", ".join(str(p) for p in sorted(records))
+    return report + f"; of processes {heard}, the records part at {first_divergence(dict(records))}", set(
+        records
+    )
+
+
+def leave_together(heard: set[int]) -> None:
+    """After this process's message: it says so in the coordination service, and process 0, whose end ends
+    the service and every other process with it, waits (up to ``ASK_S``) until each process it heard from
+    has written its own."""
+    if len(heard) < 2:
+        return
+
+    def wait() -> None:
+        try:
+            store = KeyValueStore()
+            store.set(f"{Keys.FLIGHT_DONE}{jax.process_index()}", "1")
+            deadline = time.monotonic() + ASK_S
+            while jax.process_index() == 0 and time.monotonic() < deadline:
+                if len(store.directory(Keys.FLIGHT_DONE)) >= len(heard):
+                    return
+                time.sleep(POLL_S)
+        except (DistributedNotInitializedError, RuntimeError) as e:
+            logger.debug("could not wait for the other processes' messages: %s", e)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    thread.join(ASK_S + 1)
+
+
 class Watchdog:
     """One armed section at a time; ``arm`` replaces it, ``disarm`` ends it.
 
@@ -102,12 +164,13 @@ class Watchdog:
             if armed is not None and time.monotonic() > armed[3]:
                 what, seconds, key, _ = armed
                 where = f"process {jax.process_index()} of {jax.process_count()}"
+                report, heard = flight_report(what)
                 message = (
                     f"nnx_shard: {what} did not finish within {seconds:g} s (config.{key}) in {where}"
-                    f"{missing_processes(what)}: a peer may have died or hung. Ending this process (exit "
-                    f"status {EXIT_STATUS}) so "
-                    "that the job can be restarted; resume='auto' goes on from the newest snapshot or "
-                    "checkpoint.\n"
+                    f"{missing_processes(what)}{report}: a peer may have died or hung. Ending "
+                    f"this process (exit status {EXIT_STATUS}) so that the job can be restarted; "
+                    "resume='auto' goes on from the newest snapshot or checkpoint.\n"
                 )
                 os.write(sys.stderr.fileno(), message.encode())
+                leave_together(heard)
                 os._exit(EXIT_STATUS)

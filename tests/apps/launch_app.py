@@ -29,7 +29,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from tests.apps.trainer_app import RegressionTrainer, batch_for, config, digest  # noqa: E402
+from tests.apps.trainer_app import (  # noqa: E402
+    RegressionTrainer,
+    batch_for,
+    config,
+    digest,
+    multiprocess_step_timeout,
+)
 
 ROWS = 24  # a global batch every process count here divides (1, 2 or 3 processes)
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,20 +138,21 @@ def arm(trainer, fault: str, at: int) -> None:
     """This process dies (SIGKILL): after step ``at`` (``step``; also ``restart``'s first death), while
     writing the snapshot of step ``at`` (``snapshot``), inside the save of step ``at`` (``save``), or, with
     ``at`` 0, as it restores after a restart (``restart``)."""
-    from nnx_shard._checkpoint import _checkpointer, _snapshot
+    from nnx_shard._checkpoint import _checkpointer
+    from nnx_shard._snapshots import _writer
     from nnx_shard._trainer import _trainer
 
     if fault in ("step", "restart") and at > 0:
         trainer.add_callback(lambda step, metrics, t: _die() if step == at else None)
     elif fault == "snapshot":
-        seal = _snapshot.SnapshotWriter._seal
+        seal = _writer.SnapshotWriter._seal
 
         def sealing(self, snapshot):
             if snapshot.step == at:
                 _die()  # in the background thread, the snapshot's file half written
             return seal(self, snapshot)
 
-        _snapshot.SnapshotWriter._seal = sealing
+        _writer.SnapshotWriter._seal = sealing
     elif fault == "save":
         save = _checkpointer.Checkpointer.save
 
@@ -177,7 +184,7 @@ def main() -> None:
     ap.add_argument(
         "--bucket", default="", help="the Trainer's workdir, a gs:// URI (the app's files stay local)"
     )
-    ap.add_argument("--step-timeout", type=float, default=0.0)
+    ap.add_argument("--step-timeout", type=float, default=None)  # None: the test default (trainer_app)
     ap.add_argument("--hang-at", type=int, default=-1)
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--width", type=int, default=64, help="of the MLP's hidden layers")
@@ -209,7 +216,7 @@ def main() -> None:
             "snapshot_dir": str(Path(args.workdir) / "snapshots"),
             "async_save": False,
             "resume": "auto",
-            "step_timeout": args.step_timeout,
+            "step_timeout": multiprocess_step_timeout() if args.step_timeout is None else args.step_timeout,
             "heartbeat_timeout": 5,
             "shutdown_timeout": 5,
         }

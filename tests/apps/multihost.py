@@ -75,7 +75,7 @@ def run_processes(
                     cwd=ROOT,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", "NNX_SHARD_TEST_PROCESSES": str(n)},
                 ),
                 out,
                 log,

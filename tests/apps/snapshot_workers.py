@@ -1,4 +1,4 @@
-"""Workers of tests/checkpoint/test_snapshot.py: each process writes in-memory snapshots of a sharded
+"""Workers of tests/snapshots/: each process writes in-memory snapshots of a sharded
 state."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def write(folder: str, domain: str = "") -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint import SnapshotWriter, snapshot_own_bytes
+    from nnx_shard._snapshots import SnapshotWriter, snapshot_own_bytes
 
     if domain:
         os.environ["NNX_SHARD_FAILURE_DOMAIN"] = f"{domain}{jax.process_index() // 2}"
@@ -33,66 +33,57 @@ def write(folder: str, domain: str = "") -> dict:
     return {"dest": writer.dest, "need": need, "bytes": list(writer.last_bytes), "digests": digests}
 
 
-def exchange_when_packed(folder: str) -> dict:
-    """Snapshots every 10 steps of 30 ms, each one's packing slowed by 0.15 s in the background, then a
-    second writer (a next ``train()`` call) with one snapshot: the step and wait at which each snapshot's
-    copy went to the peer, the bytes received, what the steps waited, and the copy's programs built and
-    compiled."""
+def delayed(folder: str, slow: str) -> dict:
+    """Snapshots every 10 steps of 30 ms, each with process 1's ``slow`` part (its ``packing``, the
+    ``receive`` of the peer's copy, or the ``copy`` on the step) delayed by 0.15 s, then a second writer (a
+    next ``train()`` call) with one snapshot: this process's journal of collectives, the steps at which the
+    copies went to the peer, the peer copies kept, and the copy's programs built and compiled."""
     import time
 
     import jax
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint import SnapshotWriter, _snapshot, _snapshot_peer
-    from nnx_shard._cluster import process_mesh
+    from nnx_shard._cluster import RECORDER, process_mesh
+    from nnx_shard._snapshots import SnapshotWriter, _peer, _writer
 
-    real_header, real_exchange = _snapshot.header_bytes, _snapshot.exchange
     at, sent = [0], []
+    real = {"packing": "sum_shares", "receive": "received", "copy": "copy_in"}[slow]
+    original, real_exchange = getattr(_writer, real), _writer.exchange
 
-    def slow_header(*args):
+    def slowed(*args):
         time.sleep(0.15)
-        return real_header(*args)
+        return original(*args)
 
-    def exchange(buf, dest):
+    def exchange(row, dest, step):
         sent.append(at[0])
-        return real_exchange(buf, dest)
+        return real_exchange(row, dest, step)
 
-    _snapshot.header_bytes, _snapshot.exchange = slow_header, exchange
+    if jax.process_index() == 1:
+        setattr(_writer, real, slowed)
+    _writer.exchange = exchange
     states = _states(ns.create_mesh((jax.device_count(),), ("fsdp",)))
-    writer = SnapshotWriter(folder, keep=2)
-    taken, waited = [], []
-    for step in range(1, 51):
-        at[0] = step - 1
-        writer.poll(step - 1)  # before the step, as the Trainer's loop
-        time.sleep(0.03)
-        if step % 10 == 0 and step < 50:
-            if writer.phases:  # the last snapshot, finished: what its copy's step waited for the packing
-                waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
-            # headers of different lengths: the copies' lengths differ by a few bytes
-            taken.append(writer.write(step, states, {"pad": "x" * step}, skip_if_busy=True))
-    writer.wait()
-    waited.append(writer.phases["on_the_steps_path"]["packing_waited"])
-    peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
-    sends = _snapshot_peer._ppermute(process_mesh(), tuple(writer.dest))
-    background, skipped = list(writer.phases["in_the_background"]), writer.skipped
-    writer.close(remove=False)
-    writer = SnapshotWriter(folder, keep=2)  # the next train() call's: its steps go on
-    for step in range(51, 66):
-        at[0] = step - 1
-        writer.poll(step - 1)
-        time.sleep(0.03)
-        if step == 60:
-            taken.append(writer.write(step, states, skip_if_busy=True))
-    writer.close(remove=True)
+    RECORDER.keep_journal()
+    taken = []
+    for calls in ((1, 51), (51, 66)):  # the second: the next train() call's writer, its steps going on
+        writer = SnapshotWriter(folder, keep=2)
+        for step in range(*calls):
+            at[0] = step - 1
+            writer.poll(step - 1)  # before the step, as the Trainer's loop
+            time.sleep(0.03)
+            if step % 10 == 0 and step not in (50,):
+                # headers of different lengths: the copies' lengths differ by a few bytes
+                taken.append(writer.write(step, states, {"pad": "x" * step}, skip_if_busy=True))
+        writer.wait()
+        peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
+        writer.close(remove=calls[0] == 51)
+    sends = _peer._ppermute(process_mesh(), tuple(writer.dest))
     return {
+        "journal": RECORDER.journal,
         "taken": taken,
         "sent": sent,
-        "waited": waited,
-        "next_call_waited": writer.phases["on_the_steps_path"]["packing_waited"],
         "peers": peers,
-        "skipped": skipped + writer.skipped,
-        "programs": [_snapshot_peer._ppermute.cache_info().misses, sends._cache_size()],
-        "background": background,
+        "skipped": writer.skipped,
+        "programs": [_peer._ppermute.cache_info().misses, sends._cache_size()],
     }
 
 
@@ -105,7 +96,7 @@ def restore_onto_more(folder: str) -> dict:
     from jax.experimental import multihost_utils
 
     import nnx_shard as ns
-    from nnx_shard._checkpoint._snapshot_read import restore_from_snapshots
+    from nnx_shard._snapshots import restore_from_snapshots
 
     mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
     target = _states(mesh, seed=7)

@@ -81,6 +81,18 @@ def batch_for(step: int, rows: int = 16) -> dict[str, np.ndarray]:
     return {k: v[i * per : (i + 1) * per] for k, v in global_rows(step, rows).items()}
 
 
+# Every test of several processes runs with a step timeout: a hang ends them within a minute with the
+# watchdog's message (the process, the section, the collective each waits in), not at the harness's deadline.
+MULTIPROCESS_STEP_TIMEOUT = 60.0
+
+
+def multiprocess_step_timeout() -> float:
+    """``MULTIPROCESS_STEP_TIMEOUT`` in a job of several processes (``nnx-shard launch``'s or the test
+    harness's), else 0 (off: a watchdog must not end a pytest process)."""
+    n = os.environ.get("NNX_SHARD_NUM_PROCESSES") or os.environ.get("NNX_SHARD_TEST_PROCESSES") or "1"
+    return MULTIPROCESS_STEP_TIMEOUT if int(n) > 1 else 0.0
+
+
 def config(workdir: str, mesh: str = "fsdp:-1", **extra) -> dict:
     return {
         "mesh": mesh,
@@ -89,6 +101,7 @@ def config(workdir: str, mesh: str = "fsdp:-1", **extra) -> dict:
         "log_every": 1,
         "progress": "off",
         "total_steps": 12,
+        "step_timeout": multiprocess_step_timeout(),
         **extra,
     }
 

@@ -112,44 +112,6 @@ def test_on_tpus_the_fused_fingerprint_is_one_pass_over_each_shard_with_no_loop(
     assert shard_bytes <= cost["bytes accessed"] <= shard_bytes + slack
 
 
-def _readers(hlo: str) -> dict[int, int]:
-    """How many instructions of the entry computation read each of its parameters."""
-    entry = hlo[hlo.index("\nENTRY") :].splitlines()[1:]
-    names = {}
-    for line in entry:
-        found = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .* parameter\((\d+)\)", line)
-        if found:
-            names[int(found.group(2))] = found.group(1)
-    return {
-        k: sum(1 for line in entry if re.search(re.escape(name) + r"(?![\w.-])", line.split(" = ", 1)[-1]))
-        for k, name in names.items()
-    }
-
-
-@needs_libtpu
-def test_on_tpus_a_snapshot_stage_reads_each_shard_once():
-    """Compiled for one v5e chip: each shard's copy, in chunks or whole, and its fingerprint share come from
-    one read of it (the share summed over the chunks XLA is writing), not a copy and then a second pass."""
-    from jax.sharding import SingleDeviceSharding
-
-    from nnx_shard._checkpoint import _snapshot_stage as stage
-
-    device = ns.cluster.tpu_devices("v5e:2x2")[0]
-    shards = [
-        ((4096, 4096), jnp.float32),
-        ((1024, 8192), jnp.bfloat16),
-        ((4096,), jnp.float32),
-        ((), jnp.int32),
-    ]
-    key = tuple((shape, 0, stage._rows(shape, jnp.dtype(dtype).itemsize)) for shape, dtype in shards)
-    assert len(key[0][2]) == 2  # 64 MiB: two chunks of 32 MiB
-    args = [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device)) for shape, dtype in shards
-    ]
-    readers = _readers(stage._program(key).lower(args).compile().as_text())
-    assert readers == {k: 1 for k in range(len(shards))}
-
-
 def test_threefry_kernel_is_set_inside_the_context_on_gpus_only():
     before = jax.config.jax_threefry_gpu_kernel_lowering
     with threefry_kernel("cpu"):

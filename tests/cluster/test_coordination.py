@@ -54,8 +54,8 @@ def test_one_block_type_for_reshard_snapshots_and_weights():
         if "tuple[tuple[int, int], ...]" in p.read_text() and p.name != "_blocks.py"
     ]
     assert spelled == []
-    from nnx_shard._checkpoint import _snapshot_read
     from nnx_shard._reshard import _executor
+    from nnx_shard._snapshots import _reader as _snapshot_read
     from nnx_shard._weights import _load
 
     assert _snapshot_read.Block is _executor.Block is _load.Block is Block

@@ -28,7 +28,8 @@ LAYERS = {
     "_weights": 2,  # safetensors in and out, key-map transforms, LoRA, PEFT
     "_cluster": 3,  # the distributed runtime, launcher, barriers, TPU topologies
     "_reshard": 3,  # plan_reshard / reshard on plain JAX, with the host route
-    "_checkpoint": 4,  # the Checkpointer, reads, plain Orbax, faults, fingerprints, snapshots, sources
+    "_checkpoint": 4,  # persistent checkpoints: Checkpointer, reads, Orbax, faults, fingerprints, sources
+    "_snapshots": 4.5,  # in-memory snapshots: writer, device copy, file format, peer exchange, reader, source
     "_suggest": 4,  # ns.suggest: candidate layouts for a memory budget, planned and costed
     "_live": 5,  # placement, the owner, restore_and_reshard, resize
     "_trainer": 6,
@@ -399,3 +400,18 @@ def test_tests_are_grouped_like_the_package_and_import_no_benchmark():
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [n for n in names if n.split(".")[0] == "benchmarks"], path
         assert not issue.search(path.read_text()), path
+
+
+def test_snapshots_are_their_own_layer_above_the_persistent_checkpoints():
+    """``_checkpoint`` keeps persistent checkpoints only; the in-memory snapshots are ``_snapshots``, which
+    may use it (fingerprints, the sources' registry) and never the other way round."""
+    assert not [p.name for p in (PACKAGE / "_checkpoint").glob("*.py") if "snapshot" in p.name]
+    assert {p.stem for p in (PACKAGE / "_snapshots").glob("_*.py")} >= {
+        "_writer",
+        "_device",
+        "_file",
+        "_peer",
+        "_reader",
+        "_source",
+    }
+    assert LAYERS["_checkpoint"] < LAYERS["_snapshots"] < LAYERS["_live"]

@@ -85,6 +85,7 @@ ERRORS = (
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "CheckpointWarning",
+    "CollectiveMismatchError",
     "CompileError",
     "ConfigError",
     "ConflictingArgumentsError",

@@ -239,10 +239,12 @@ def check_gpu(result):
     snaps = parts["snapshots"]
     assert summary["snapshot_ratio"] == {"10": snaps["every_10"]["ratio"], "100": snaps["every_100"]["ratio"]}
     assert snaps["every_10"]["taken"] > 0 and summary["snapshot_stage_bytes_over_one_read_and_write"] >= 1.0
-    # where one snapshot's milliseconds go, phase by phase, on the step's path and in the background
-    phases = summary["snapshot_phases_ms"]
-    assert {"layout", "folder", "thread"} <= set(phases["on_the_steps_path"])
-    assert {"to_host", "shares", "header", "publish"} <= set(phases["in_the_background"])
+    # one snapshot's milliseconds on the step's path and in the background, timed from outside
+    assert summary["snapshot_ms"] == [
+        snaps["snapshot_ms_on_the_steps_path"],
+        snaps["snapshot_ms_in_the_background"],
+    ]
+    assert snaps["snapshot_ms_on_the_steps_path"] > 0
 
 
 def check_snapshot(r):
@@ -256,15 +258,10 @@ def check_snapshot(r):
     assert r["snapshot_ms_on_the_steps_path"] > 0 and r["snapshot_ms_in_the_background"] >= 0
     # XLA's bytes accessed by the stage programs (a GPU's and a TPU's first move): at least a read and a write
     assert r["stage_bytes_over_one_read_and_write"] >= 1.0
-    # each phase's median: on the step's path they add up to about the best time there (medians, not sums)
-    on_path = r["snapshot_phases_ms"]["on_the_steps_path"]
-    assert {"layout", "folder", "copy", "thread"} <= set(on_path) and all(v >= 0 for v in on_path.values())
-    assert set(r["snapshot_phases_ms"]["in_the_background"]) >= {"to_host", "shares", "header", "publish"}
-    # two processes: the copy to the peer, what sending it and agreeing on it cost a step, against none
+    # two processes: the copy to the peer, what starting a snapshot and sending its copy cost a step
     two = r["two_processes"]
     assert two["ratio_every_10"] == pytest.approx(statistics.median(two["by_round"]), abs=1e-3)
-    assert {"agree", "packing_waited", "exchange"} <= set(two["phases_ms"]["on_the_steps_path"])
-    assert {"peer_copy", "peer", "publish"} <= set(two["phases_ms"]["in_the_background"])
+    assert set(two["median_ms"]) == {"write", "poll"} and all(v > 0 for v in two["median_ms"].values())
 
 
 def check_recovery(r):

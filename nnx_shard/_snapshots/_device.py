@@ -1,19 +1,15 @@
-"""A snapshot's first move on GPUs and TPUs: each device copies its own shards within its own memory and sums
-each piece's fingerprint share, in one program per device.
+"""The device copy, on GPUs and TPUs: each device copies its own shards within its own memory and sums each
+piece's fingerprint share, in one program per device (the path the H100 run measured; see RESULTS.md).
 
-The step after a snapshot donates the live buffers. Were the copy to the host
-read them, that step would wait for the whole transfer (2 GiB at PCIe speed is
-tens of milliseconds). A copy in the device's memory is one pass at its
-bandwidth (2 GiB read and written: about 1.4 ms at an H100's 3 TB/s), queued
-like a step, and is never donated: its transfer to the host's pinned memory
-then runs beside the steps, in chunks (:meth:`Staged.write_into`), and the
-shares (:func:`block_share`) are ready with it. On an H100 the step's path went
-from 22.8 ms (a transfer and a share program per shard) to 7.2 ms for 2 GiB in
-70 shards.
+The step after a snapshot donates the live buffers. A copy in the device's
+memory is one pass at its bandwidth, queued like a step, and is never donated:
+its transfer to the host's pinned memory then runs beside the steps, in chunks
+(:meth:`Staged.write_into`), and the shares (:func:`block_share`) are ready
+with it.
 
 Staging needs room for the copies: where a device's allocator says it lacks it
 (``memory_stats()``), or keeps no statistics, :meth:`Staging.stage` returns None
-and the snapshot copies from the live buffers, as on CPUs.
+and the snapshot copies from the live buffers on the step, as on CPUs.
 """
 
 from __future__ import annotations
@@ -29,10 +25,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
-from nnx_shard._base import CompiledAhead, Laps, cached
-from nnx_shard._checkpoint._fingerprint_shares import block_base, block_share, word_shape, word_strides
-from nnx_shard._checkpoint._snapshot_file import HEADER, Shard, host_memory
+from nnx_shard._base import CompiledAhead, cached
+from nnx_shard._checkpoint import block_base, block_share, word_shape, word_strides
+from nnx_shard._snapshots._file import HEADER, Piece, Shard
 
 logger = logging.getLogger("nnx_shard")
 # The copies may take this share of a device's free memory, at most.
@@ -95,17 +92,17 @@ def _device(data: jax.Array) -> Any:
 def _groups(shards: Sequence[Shard]) -> dict[Any, list[int]]:
     """The shards' positions, by device."""
     out: dict[Any, list[int]] = {}
-    for k, (_, _, data, _) in enumerate(shards):
-        out.setdefault(_device(data), []).append(k)
+    for k, s in enumerate(shards):
+        out.setdefault(_device(s.data), []).append(k)
     return out
 
 
 def _key(shards: Sequence[Shard], members: Sequence[int]) -> tuple[Any, ...]:
     out = []
     for k in members:
-        _, index, data, shape = shards[k]
-        base = block_base([a for a, _ in index], shape, data.dtype)
-        out.append((tuple(shape), base, _rows(tuple(data.shape), data.dtype.itemsize)))
+        s = shards[k]
+        base = block_base([a for a, _ in s.index], s.shape, s.data.dtype)
+        out.append((tuple(s.shape), base, _rows(tuple(s.data.shape), s.data.dtype.itemsize)))
     return tuple(out)
 
 
@@ -117,7 +114,7 @@ def has_room(shards: Sequence[Shard], groups: dict[Any, list[int]] | None = None
         if not stats or "bytes_limit" not in stats:
             return False
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        if sum(int(shards[k][2].nbytes) for k in members) > HEADROOM * free:
+        if sum(int(shards[k].data.nbytes) for k in members) > HEADROOM * free:
             return False
     return True
 
@@ -134,7 +131,7 @@ def _programs(shards: Sequence[Shard], plan: _Plan) -> dict[Any, tuple[Any, tupl
 
     work = {}
     for device, members, key, _ in plan.work:
-        work[(device, key)] = (_program(key), ([abstract(shards[k][2]) for k in members],))
+        work[(device, key)] = (_program(key), ([abstract(shards[k].data) for k in members],))
     return work
 
 
@@ -146,14 +143,12 @@ class Staged:
     chunks: list[list[tuple[int, jax.Array]]]
     shares: list[tuple[jax.Array, list[int]]]
 
-    def write_into(self, buf: np.ndarray, pieces: Sequence[dict[str, Any]], laps: Laps | None = None) -> None:
+    def write_into(self, buf: np.ndarray, pieces: Sequence[Piece]) -> None:
         """Moves the chunks to the host into their places in ``buf``, two in flight at a time (in the
         background). A step's own small reads from its devices (its counters, its metrics) queue behind
-        the transfers in flight: two chunks, not the whole snapshot. ``laps`` (:class:`Laps`), when given,
-        counts the waits for the transfers (``to_host``) apart from the copies into ``buf``
-        (``into_file``)."""
+        the transfers in flight: two chunks, not the whole snapshot."""
         queue = collections.deque(
-            (pieces[k]["offset"] + at, chunk) for k, chunks in enumerate(self.chunks) for at, chunk in chunks
+            (pieces[k].offset + at, chunk) for k, chunks in enumerate(self.chunks) for at, chunk in chunks
         )
         self.chunks = []  # a device chunk is freed once its bytes have left
         flight: collections.deque[tuple[int, Any]] = collections.deque()
@@ -162,9 +157,9 @@ class Staged:
             flight.append((offset, host_memory(chunk)))
             del chunk
             if len(flight) == 2:
-                _land(buf, *flight.popleft(), laps)
+                _land(buf, *flight.popleft())
         while flight:
-            _land(buf, *flight.popleft(), laps)
+            _land(buf, *flight.popleft())
 
     def share_values(self) -> list[int]:
         """Each shard's fingerprint share (waits for the devices)."""
@@ -175,14 +170,27 @@ class Staged:
         return [out[k] for k in range(len(out))]
 
 
-def _land(buf: np.ndarray, offset: int, host: Any, laps: Laps | None = None) -> None:
+def _land(buf: np.ndarray, offset: int, host: Any) -> None:
     """Copies a chunk on its way to the host (waits for it) to ``offset`` in the file's shards."""
     raw = np.asarray(host).reshape(-1).view(np.uint8)
-    if laps is not None:
-        laps.lap("to_host")
     buf[HEADER + offset : HEADER + offset + raw.size] = raw
-    if laps is not None:
-        laps.lap("into_file")
+
+
+def host_memory(data: jax.Array) -> Any:
+    """An asynchronous copy of a single-device array into its device's ``pinned_host`` memory (the array
+    itself where the device has no host memory kinds)."""
+    pinned = _pinned(_device(data))
+    return data if pinned is None else jax.device_put(data, pinned)
+
+
+@cached(maxsize=None)
+def _pinned(device: Any) -> SingleDeviceSharding | None:
+    """``device``'s ``pinned_host`` memory as a sharding (None where it has none), looked up once."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        kinds = set()
+    return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
 
 
 @dataclasses.dataclass
@@ -201,7 +209,7 @@ def _plan(shards: Sequence[Shard]) -> _Plan:
     for device, members in groups.items():
         key = _key(shards, members)
         offsets = [
-            [r.start * _row_bytes(tuple(shards[k][2].shape), shards[k][2].dtype.itemsize) for r in rows]
+            [r.start * _row_bytes(tuple(shards[k].data.shape), shards[k].data.dtype.itemsize) for r in rows]
             for k, (_, _, rows) in zip(members, key, strict=True)
         ]
         work.append((device, members, key, offsets))
@@ -243,7 +251,7 @@ class Staging:
         chunks: list[Any] = [None] * len(shards)
         shares = []
         for program, (_, members, _, offsets) in zip(plan.programs, plan.work, strict=True):
-            out, values = program([shards[k][2] for k in members])
+            out, values = program([shards[k].data for k in members])
             for k, pieces, at in zip(members, out, offsets, strict=True):
                 chunks[k] = list(zip(at, pieces, strict=True))
             shares.append((values, members))

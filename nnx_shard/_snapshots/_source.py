@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nnx_shard._checkpoint._restore_options import RestoreOptions
-from nnx_shard._checkpoint._snapshot_read import restore_from_snapshots
-from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source
+from nnx_shard._checkpoint import ReadRequest, RestoreOptions, SourceDefaults, register_source
+from nnx_shard._snapshots._reader import restore_from_snapshots
 from nnx_shard.errors import CheckpointFormatError, NoCheckpointError
 
 
@@ -49,4 +48,4 @@ def _make(obj: Snapshots, options: RestoreOptions) -> Snapshots:
     return obj
 
 
-register_source("snapshots", lambda obj: isinstance(obj, Snapshots), _make)
+register_source("snapshots", lambda obj: isinstance(obj, Snapshots), _make, before="plain Orbax checkpoint")

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_shard._base import Block, block_of_shard, intersect, relative
-from nnx_shard._checkpoint._format import leaf_paths, map_leaves, storable, tree_fingerprints
-from nnx_shard._checkpoint._snapshot_file import unpack
+from nnx_shard._checkpoint import leaf_paths, map_leaves, storable, tree_fingerprints
 from nnx_shard._cluster import all_to_all, gather_json
+from nnx_shard._snapshots._file import Header, unpack
 
 logger = logging.getLogger("nnx_shard")
 
@@ -100,12 +100,12 @@ def _moves(pieces: list[list[Any]], targets: dict[str, Any]) -> Iterator[tuple[i
                 yield server, q, k, piece, common
 
 
-def _read(files: list[Path], step: int) -> tuple[list[dict[str, Any]], dict[tuple[str, str], np.ndarray]]:
+def _read(files: list[Path], step: int) -> tuple[list[Header], dict[tuple[str, str], np.ndarray]]:
     headers, pieces = [], {}
     for f in files:
         header, data = unpack(np.fromfile(f, np.uint8))
-        if header["step"] != step:
-            raise ValueError(f"{f} holds step {header['step']}, not {step}")
+        if header.step != step:
+            raise ValueError(f"{f} holds step {header.step}, not {step}")
         headers.append(header)
         pieces.update(data)
     return headers, pieces
@@ -130,7 +130,7 @@ def restore_from_snapshots(
         for s, by_old in files.items()
         for old in by_old
     ]
-    step, serves = choose(gather_json(rows), previous, after)
+    step, serves = choose(gather_json(rows, site="snapshot.read.held"), previous, after)
     if step is None:
         logger.info("no complete snapshot newer than step %d: restoring from a checkpoint", after)
         return None
@@ -138,20 +138,18 @@ def restore_from_snapshots(
     problem = ""
     try:
         headers, pieces = _read([files[step][old] for old in mine], step)
-    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         headers, pieces, problem = [], {}, f"process {me}: {e}"
-    problems = [p for p in gather_json(problem) if p]
-    if problems:
-        logger.warning(
-            "the snapshot of step %d does not read (%s): restoring from a checkpoint", step, problems
-        )
+    if _failed(problem, "snapshot.read.problems", step, "does not read"):
         return None
     shared = gather_json(
         {
             "pieces": [[me, path, json.loads(index)] for path, index in pieces],
-            "shares": [[p["path"], p["share"]] for h in headers for p in h["pieces"]],
-            "data": {str(h["process"]): h.get("data_state") for h in headers},
-        }
+            "shares": [[p.path, p.share] for h in headers for p in h.pieces],
+            "data": {str(h.process): h.data_state for h in headers},
+        },
+        site="snapshot.read.catalogue",
+        step=step,
     )
     catalogue = [p for s in shared for p in s["pieces"]]
     data = {int(k): v for s in shared for k, v in s["data"].items()}
@@ -166,11 +164,7 @@ def restore_from_snapshots(
         placed, problem = {path: _place(path, x, blocks.get(path, [])) for path, x in targets.items()}, ""
     except ValueError as e:
         placed, problem = {}, f"process {me}: {e}"
-    problems = [p for p in gather_json(problem) if p]
-    if problems:
-        logger.warning(
-            "the snapshot of step %d is incomplete (%s): restoring from a checkpoint", step, problems
-        )
+    if _failed(problem, "snapshot.read.placed", step, "is incomplete"):
         return None
     restored = map_leaves(lambda path, v: placed.get(path.removesuffix("/value"), v), states)
     if tree_fingerprints(restored) != {p: wanted.get(p) for p in placed}:
@@ -182,6 +176,14 @@ def restore_from_snapshots(
         lambda path, v: jax.random.wrap_key_data(v, impl=keys[path]) if path in keys else v, restored
     )
     return Restored(restored, step, [data.get(old) for old in range(previous)])
+
+
+def _failed(problem: str, site: str, step: int, what: str) -> bool:
+    """Whether any process has a ``problem`` (a collective: every process answers the same), logged."""
+    problems = [p for p in gather_json(problem, site=site, step=step) if p]
+    if problems:
+        logger.warning("the snapshot of step %d %s (%s): restoring from a checkpoint", step, what, problems)
+    return bool(problems)
 
 
 def _exchange(
@@ -203,7 +205,7 @@ def _exchange(
                 blocks.setdefault(catalogue[k][1], []).append((common, part))
             else:
                 outgoing[q].append(part.tobytes())
-    received = all_to_all([b"".join(c) for c in outgoing])
+    received = all_to_all([b"".join(c) for c in outgoing], site="snapshot.read.pieces")
     at = [0] * len(received)
     for server, q, k, _, common in moves:
         if q == me and server != me:

@@ -1,0 +1,31 @@
+"""The peer exchange: a ring over failure domains, and rows of an agreed width that carry their length."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nnx_shard._snapshots._peer import PREFIX, ROW_STEP, empty, exchange, outgoing, peers, received, row_width
+
+
+def test_peers_leave_their_failure_domain():
+    assert peers(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert peers(["b", "a", "b", "a"]) == [1, 0, 3, 2]
+    assert peers(["h"] * 3) == [1, 2, 0]
+    dest = peers(["x", "y", "z"])
+    assert sorted(dest) == [0, 1, 2] and all(d != i for i, d in enumerate(dest))
+
+
+def test_a_row_carries_its_copy_and_length_and_comes_back_as_it_was():
+    """``outgoing``: the length, the file's parts one after the other, zeros to the agreed width (one shape
+    from one snapshot to the next, so that the ``ppermute`` compiles once); ``received`` gives the parts'
+    bytes (one process: its own peer). A copy wider than agreed is not sent; an empty row says none."""
+    shards = np.arange(ROW_STEP + 5, dtype=np.int64).astype(np.uint8)
+    parts = [shards, np.frombuffer(b'{"step": 3}', np.uint8)]
+    size = ROW_STEP + 5 + 11
+    width = row_width(size)
+    assert width == 2 * ROW_STEP and row_width(ROW_STEP - PREFIX) == ROW_STEP
+    row = outgoing(parts, width)
+    assert row.shape == (1, width) and not row[0, PREFIX + size :].any()
+    assert bytes(received(exchange(row, [0], step=3))) == b"".join(p.tobytes() for p in parts)
+    assert outgoing(parts, ROW_STEP) is None
+    assert received(exchange(empty(width), [0], step=3)).size == 0
