@@ -22,12 +22,12 @@ Where it is computed (:func:`route` names it, per array):
   over a view of its buffer: the weight is linear in the position but for its
   parity, so the sum follows from the block's sums over each dimension (two
   passes), with nothing copied or compiled: about 20 GB/s on the same CPU.
-  (8-byte words, and a dimension before the last of odd stride, take the
-  programs.)
+  (8-byte words take the programs.)
 - Small arrays whose values this process holds (biases, norms, counters) are
   summed in NumPy on the host, on any backend: no program per shape.
 
-A block's share of the sum, on the host or on its device, is in ``_fingerprint_shares``.
+Every route computes one sum, written twice in ``_fingerprint_shares``: the device program
+(:func:`block_share`) and its NumPy reference (:func:`block_fingerprint`).
 """
 
 from __future__ import annotations
@@ -43,14 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_shard._base import CompiledAhead, cached, entry_axes, holding_processes, in_threads, is_key
-from nnx_shard._checkpoint._fingerprint_shares import (
-    as_words,
-    block_sum,
-    weighted_sum,
-    word_shape,
-    word_strides,
-    word_view,
-)
+from nnx_shard._checkpoint._fingerprint_shares import block_fingerprint, block_share, word_shape, word_strides
 from nnx_shard._cluster import gather_json, recorded
 
 # More than CHUNK arrays of one signature, each at most this size, are fingerprinted CHUNK per call.
@@ -59,15 +52,8 @@ CHUNK = 64
 
 
 def _one(x: jax.Array) -> jax.Array:
-    w = as_words(x)
-    if w.ndim == 0:
-        w = w[None]
-    index = jnp.zeros(w.shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(w.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, dim) * jnp.uint32(stride % 2**32)
-        stride *= w.shape[dim]
-    return weighted_sum(w, index)
+    """The sum over a whole array: :func:`block_share` of its one block."""
+    return block_share(x, jnp.uint32(0), x.shape)
 
 
 @cached(maxsize=None)
@@ -94,8 +80,8 @@ def _on_host(x: jax.Array) -> bool:
 
 
 def _host_sum(value: np.ndarray) -> int:
-    """The sum of :func:`_one` over an array already on the host: one block of one row."""
-    return block_sum(word_view(value).reshape(-1), 0, [1])
+    """The sum over an array already on the host: :func:`block_fingerprint` of its one block."""
+    return block_fingerprint(value, [0] * value.ndim, value.shape)
 
 
 def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
@@ -104,49 +90,29 @@ def _host_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
     return [f"{_host_sum(np.asarray(value)):08x}" for value in jax.device_get(local)]
 
 
-# On CPU devices, arrays are summed where they lie, by NumPy (False: by the devices' programs).
-IN_PLACE = True
-
-
 def _in_place(x: jax.Array) -> bool:
-    """Whether ``x`` is summed in place by :func:`block_sum`: on this process's CPUs, whole bytes of
-    at most 4, and every dimension but the last of even stride (a word's parity is then its last index's)."""
-    if not IN_PLACE or x.ndim == 0 or not x.is_fully_addressable or not _whole_words(x):
+    """Whether ``x`` is summed where it lies by :func:`block_fingerprint`: on this process's CPUs, whole
+    bytes of at most 4 (8-byte words take the programs)."""
+    if x.ndim == 0 or not x.is_fully_addressable or not _whole_words(x):
         return False
-    if any(d.platform != "cpu" for d in x.sharding.device_set):
-        return False
-    return all(stride % 2 == 0 for stride in word_strides(x.shape)[:-1])
-
-
-@cached(maxsize=256)
-def _bases(shape: tuple[int, ...], sharding: Any) -> tuple[list[int], dict[Any, int]]:
-    """The word strides, and the global index of each block's first word, on one device per block."""
-    strides, bases, seen = word_strides(shape), {}, set()
-    for device, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
-        first = tuple((i.start or 0) for i in index)
-        if first not in seen:
-            seen.add(first)
-            bases[device] = sum(f * stride for f, stride in zip(first, strides, strict=True)) % 2**32
-    return strides, bases
+    return _platform(x) == "cpu"
 
 
 def _in_place_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
     """:func:`fingerprints` of arrays on this process's CPUs: each block summed where it lies (a NumPy
     view of its buffer, nothing copied or compiled), in one thread per core (NumPy lets go of the GIL),
     each thread given blocks of about equal bytes."""
-    blocks = []  # (array number, words, base, strides)
+    blocks = []  # (array number, data, start, global shape), each block once
     for n, x in enumerate(arrays):
-        strides, bases = _bases(tuple(x.shape), x.sharding)
         for shard in x.addressable_shards:
-            if shard.device in bases:  # each block once
-                blocks.append((n, word_view(np.asarray(shard.data)), bases[shard.device], strides))
+            if shard.replica_id == 0:
+                start = [i.start or 0 for i in shard.index]
+                blocks.append((n, np.asarray(shard.data), start, x.shape))
     if not blocks:
         return ["00000000"] * len(arrays)  # nothing to sum: empty arrays
-    parts = in_threads(
-        lambda k: block_sum(blocks[k][1], blocks[k][2], blocks[k][3]), [b[1].nbytes for b in blocks]
-    )
+    parts = in_threads(lambda k: block_fingerprint(*blocks[k][1:]), [b[1].nbytes for b in blocks])
     sums = [0] * len(arrays)
-    for (n, _, _, _), value in zip(blocks, parts, strict=True):
+    for (n, *_), value in zip(blocks, parts, strict=True):
         sums[n] += value
     return [f"{value % 2**32:08x}" for value in sums]
 
@@ -179,35 +145,30 @@ def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, 
     round trip per block.
     """
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    words_shape = word_shape(shape, dtype)
-    strides = [s % 2**32 for s in word_strides(words_shape)]
+    strides = [s % 2**32 for s in word_strides(word_shape(shape, dtype))]
     sharded = tuple(a for entry in spec for a in entry_axes(entry))
 
     def local(x: jax.Array) -> jax.Array:
-        shard = x.shape + words_shape[len(shape) :]  # the shard's words
-        base = jnp.uint32(0)
+        base = jnp.uint32(0)  # the global index of the shard's first word
         for d, entry in enumerate(spec):
             if entry is not None:
-                first = jax.lax.axis_index(entry_axes(entry)).astype(jnp.uint32) * jnp.uint32(shard[d])
+                first = jax.lax.axis_index(entry_axes(entry)).astype(jnp.uint32) * jnp.uint32(x.shape[d])
                 base = base + first * jnp.uint32(strides[d])
-        rest = jnp.zeros(shard[1:], jnp.uint32)
-        for d in range(1, len(shard)):
-            rest = rest + jax.lax.broadcasted_iota(jnp.uint32, shard[1:], d - 1) * jnp.uint32(strides[d])
-        rows = shard[0]
-        block = max(1, min(rows, BLOCK_WORDS // max(1, int(np.prod(shard[1:], dtype=np.int64)))))
-        block = block if blocks else rows
+        rows = x.shape[0]
+        words_per_row = math.prod(word_shape(x.shape[1:], dtype)) or 1
+        block = max(1, min(rows, BLOCK_WORDS // words_per_row)) if blocks else rows
 
-        def block_sum(start: jax.Array, size: int) -> jax.Array:
+        def rows_sum(start: Any, size: int) -> jax.Array:
             # Slice first, then reinterpret: the words of one block, never of the whole shard.
-            part = as_words(jax.lax.dynamic_slice_in_dim(x, start, size, 0))
-            row = jax.lax.broadcasted_iota(jnp.uint32, part.shape, 0) + start.astype(jnp.uint32)
-            index = base + row * jnp.uint32(strides[0]) + rest[None]
-            return weighted_sum(part, index)
+            part = jax.lax.dynamic_slice_in_dim(x, start, size, 0)
+            return block_share(
+                part, base + jnp.asarray(start).astype(jnp.uint32) * jnp.uint32(strides[0]), shape
+            )
 
         full = rows // block
-        total = jax.lax.fori_loop(0, full, lambda i, acc: acc + block_sum(i * block, block), jnp.uint32(0))
+        total = jax.lax.fori_loop(0, full, lambda i, acc: acc + rows_sum(i * block, block), jnp.uint32(0))
         if rows % block:
-            total = total + block_sum(jnp.int32(full * block), rows % block)
+            total = total + rows_sum(full * block, rows % block)
         total = jax.lax.psum(total, sharded) if sharded else total
         return total[None]
 

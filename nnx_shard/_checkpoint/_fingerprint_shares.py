@@ -1,5 +1,6 @@
-"""A block's share of an array's content fingerprint: summed on the host by NumPy
-(:func:`block_fingerprint`) or traced on the block's own device (:func:`block_share`).
+"""The fingerprint's sum over a block of an array, in its two forms: traced on the block's own device
+(:func:`block_share`, the one device program every caller builds on) and in NumPy on the host
+(:func:`block_fingerprint`, the one reference).
 
 The fingerprint (see ``_fingerprint``) is a 32-bit sum over the array's
 32-bit words, each weighted by an odd function of its global position. The
@@ -36,11 +37,6 @@ def as_words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
 
 
-def weighted_sum(words: jax.Array, index: jax.Array) -> jax.Array:
-    """The sum of ``words``, each times an odd function of its global ``index``, modulo 2**32."""
-    return jnp.sum(words * ((index * _C1 + _C2) | jnp.uint32(1)), dtype=jnp.uint32)
-
-
 def word_view(data: np.ndarray) -> np.ndarray:
     """``data``'s words as unsigned integers of its width (a bool as one byte, 0 or 1), no copy."""
     return data.view(np.uint8 if data.dtype == np.bool_ else np.dtype(f"u{data.dtype.itemsize}"))
@@ -55,23 +51,61 @@ def word_strides(shape: Sequence[int]) -> list[int]:
     return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
 
+def block_base(start: Sequence[int], global_shape: Sequence[int], dtype: Any) -> int:
+    """The global word index of a block's first word (what :func:`block_share` takes as ``base``)."""
+    strides = word_strides(word_shape(global_shape, dtype))
+    return sum(int(f) * st for f, st in zip(start, strides, strict=False)) % 2**32
+
+
+def block_share(x: jax.Array, base: Any, global_shape: Sequence[int]) -> jax.Array:
+    """Traced: the sum over a block ``x`` of an array of ``global_shape`` whose first word is at global index
+    ``base`` (a uint32, traced or constant), in one pass that XLA fuses on GPUs and TPUs."""
+    words_shape = word_shape(x.shape, x.dtype)
+    strides = [s % 2**32 for s in word_strides(word_shape(global_shape, x.dtype))]
+    words = as_words(x).reshape(words_shape) if words_shape else as_words(x).reshape(1)
+    index = jnp.full(words.shape, base, jnp.uint32)
+    for d in range(len(words_shape)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(strides[d])
+    return jnp.sum(words * ((index * _C1 + _C2) | jnp.uint32(1)), dtype=jnp.uint32)
+
+
 def _index_sum(marginal: np.ndarray) -> int:
     """sum_j j * marginal[j], modulo 2**32."""
     return int((np.arange(marginal.size, dtype=np.uint32) * marginal).sum(dtype=np.uint32))
 
 
-def block_sum(words: np.ndarray, base: int, strides: Sequence[int]) -> int:
-    """The fingerprint's sum over one block (its first word at global index ``base``), in two passes.
+def block_fingerprint(data: np.ndarray, start: Sequence[int], shape: Sequence[int]) -> int:
+    """The share of an array's fingerprint that a block of it holds, on the host (nothing compiled).
 
-    The weight ``(i*C1 + C2) | 1`` equals ``i*C1 + C2 + (i & 1)`` (C1 and C2 are
-    odd), which is linear in the index but for its parity. So the sum is
+    ``data`` is the block (C order) whose first element is at ``start`` in an
+    array of global ``shape``. The weight ``(i*C1 + C2) | 1`` equals
+    ``i*C1 + C2 + (i & 1)`` (C1 and C2 are odd): linear in the word's index
+    but for its parity. So the sum follows from the block's sums over each
+    dimension (``M_d``, one pass for the first, the rest over smaller sums):
     ``C1 * (base*S + sum_d stride_d * sum_j j*M_d[j]) + C2*S + (the words at odd i)``,
-    where ``M_d`` sums the block over every dimension but ``d``: one pass for
-    ``M_0``, one for the sum over dimension 0, the rest over that smaller sum.
+    the last summed over the dimensions of odd stride.
+
+    >>> x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    >>> top, bottom = block_fingerprint(x[:2], (0, 0), x.shape), block_fingerprint(x[2:], (2, 0), x.shape)
+    >>> (top + bottom) % 2**32 == block_fingerprint(x, (0, 0), x.shape)
+    True
     """
+    data, shape, start = np.asarray(data), list(shape), list(start)
+    if data.ndim == 0:  # a scalar: one element at index 0
+        data, shape, start = data.reshape(1), [1], [0]
+    data = data if data.flags.c_contiguous else np.ascontiguousarray(data)
+    if data.dtype.itemsize == 8:  # as words: two 32-bit words, the low one first, in a last dimension
+        words = data.view(np.uint32).reshape(*data.shape, 2)
+        shape, start = [*shape, 2], [*start, 0]
+    else:
+        words = word_view(data)
+    if words.size == 0:
+        return 0
+    strides = word_strides(shape)
+    base = sum(f * stride for f, stride in zip(start, strides, strict=True)) % 2**32
     if words.ndim == 1 and words.size > 4096 and math.gcd(words.size, 4096) >= 64:
         k = math.gcd(words.size, 4096)  # one long row as rows of k: the same words, strides (k, 1)
-        words, strides = words.reshape(-1, k), (k * strides[0], strides[0])
+        words, strides = words.reshape(-1, k), [k * strides[0], strides[0]]
     marginals, rest = [], words
     while rest.ndim > 1:  # einsum, not sum: 20% faster here, mostly its sum over dimension 0
         axes = list(range(rest.ndim))
@@ -80,61 +114,15 @@ def block_sum(words: np.ndarray, base: int, strides: Sequence[int]) -> int:
     marginals.append(rest.astype(np.uint32, copy=False))
     total = int(marginals[-1].sum(dtype=np.uint32))
     linear = sum(stride * _index_sum(m) for stride, m in zip(strides, marginals, strict=True))
-    odd = int(marginals[-1][(base + 1) % 2 :: 2].sum(dtype=np.uint32))
-    return (int(_C1) * (base * total + linear) + int(_C2) * total + odd) % 2**32
-
-
-def block_fingerprint(data: np.ndarray, start: Sequence[int], shape: Sequence[int]) -> int:
-    """The share of an array's fingerprint that a block of it holds, on the host (nothing compiled).
-
-    ``data`` is the block (C order) whose first element is at ``start`` in an
-    array of global ``shape``. The shares of blocks that tile the array add up,
-    modulo 2**32, to its fingerprint: a snapshot sums each piece where it is
-    written and checks the whole after it is read back onto other devices.
-
-    >>> x = np.arange(24, dtype=np.float32).reshape(4, 6)
-    >>> top, bottom = block_fingerprint(x[:2], (0, 0), x.shape), block_fingerprint(x[2:], (2, 0), x.shape)
-    >>> (top + bottom) % 2**32 == block_fingerprint(x, (0, 0), x.shape)
-    True
-    """
-    data = np.asarray(data)
-    data = data if data.flags.c_contiguous else np.ascontiguousarray(data)  # (which makes a scalar 1-D)
-    shape, start = list(shape), list(start)
-    if data.dtype.itemsize == 8:  # as words: two 32-bit words, the low one first, in a last dimension
-        words = data.view(np.uint32).reshape(*data.shape, 2)
-        shape, start = [*shape, 2], [*start, 0]
+    odd_dims = [d for d, stride in enumerate(strides) if stride % 2]  # a word's parity: base's and theirs
+    if odd_dims == [words.ndim - 1]:
+        summed = marginals[-1]
     else:
-        words = word_view(data)
-    if words.ndim == 0:
-        words, shape, start = words.reshape(1), [1], [0]
-    strides = word_strides(shape)
-    base = sum(f * stride for f, stride in zip(start, strides, strict=True)) % 2**32
-    if words.size == 0:
-        return 0
-    if all(stride % 2 == 0 for stride in strides[:-1]):
-        return block_sum(words, base, strides)
-    index = np.full((), base, np.uint32)  # a word's global index, for any strides (small arrays, mostly)
-    for d, stride in enumerate(strides):
-        axis = [1] * words.ndim
-        axis[d] = words.shape[d]
-        index = index + np.arange(words.shape[d], dtype=np.uint32).reshape(axis) * np.uint32(stride % 2**32)
-    weights = (index * _C1 + _C2) | np.uint32(1)
-    return int((words.astype(np.uint32) * weights).sum(dtype=np.uint32))
-
-
-def block_share(x: jax.Array, base: Any, global_shape: Sequence[int]) -> jax.Array:
-    """Traced: :func:`block_fingerprint` of a block ``x`` of an array of ``global_shape`` whose first word is
-    at global index ``base`` (a uint32, traced or constant), in one pass that XLA fuses."""
-    words_shape = word_shape(x.shape, x.dtype)
-    strides = [s % 2**32 for s in word_strides(word_shape(global_shape, x.dtype))]
-    words = as_words(x).reshape(words_shape) if words_shape else as_words(x).reshape(1)
-    index = jnp.full(words.shape, base, jnp.uint32)
-    for d in range(len(words_shape)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(strides[d])
-    return weighted_sum(words, index)
-
-
-def block_base(start: Sequence[int], global_shape: Sequence[int], dtype: Any) -> int:
-    """The global word index of a block's first word (what :func:`block_share` takes as ``base``)."""
-    strides = word_strides(word_shape(global_shape, dtype))
-    return sum(int(f) * st for f, st in zip(start, strides, strict=False)) % 2**32
+        summed = np.einsum(words, list(range(words.ndim)), odd_dims, dtype=np.uint32)
+    parity = np.full(summed.shape, base % 2, np.uint32)
+    for k in range(summed.ndim):
+        axis = [1] * summed.ndim
+        axis[k] = summed.shape[k]
+        parity = parity + np.arange(summed.shape[k], dtype=np.uint32).reshape(axis)
+    odd = int((summed * (parity % 2)).sum(dtype=np.uint32))
+    return (int(_C1) * (base * total + linear) + int(_C2) * total + odd) % 2**32

@@ -26,6 +26,7 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
     from nnx_shard._checkpoint import _fingerprint
     from nnx_shard._checkpoint._fingerprint import fingerprints
 
+    real_in_place = _fingerprint._in_place
     devices = np.array(jax.devices())
     bits = np.random.default_rng(0).integers(0, 256, (64, 24, 8 * np.dtype(dtype).itemsize), dtype=np.uint8)
     host = bits.view(dtype) if dtype != "bool" else bits % 2 == 1
@@ -46,7 +47,7 @@ def test_a_fingerprint_does_not_depend_on_the_sharding_and_sees_one_changed_word
         changed[40, 5, 3:4].view(np.uint8)[0] ^= 1  # one bit of one word
     for host_bytes, in_place, platform in PATHS.values():
         monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
-        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        monkeypatch.setattr(_fingerprint, "_in_place", real_in_place if in_place else lambda x: False)
         monkeypatch.setattr(_fingerprint, "_platform", lambda x, p=platform: p)
         monkeypatch.setattr(_fingerprint, "SMALL_BYTES", 0)  # no batching: each its own program
         prints |= set(fingerprints([jax.device_put(host, s) for s in layouts]))  # several at once
@@ -80,10 +81,11 @@ def block_shares(x: jax.Array) -> str:
     ids=str,
 )
 def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatch):
-    # One long row is summed as rows of up to 4096 words; an odd stride before the last
-    # dimension (the (48, 7) and (8, 6, 5) cases) leaves the array to the devices' programs.
+    # One long row is summed as rows of up to 4096 words; an odd stride before the last dimension (the
+    # (48, 7) and (8, 6, 5) cases) makes a word's parity depend on more than its last index.
     from nnx_shard._checkpoint import _fingerprint
 
+    real_in_place, real_platform = _fingerprint._in_place, _fingerprint._platform
     devices = np.array(jax.devices())
     mesh = Mesh(devices[: 8 if spec == P("f") else 2], ("f",))
     host = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
@@ -91,12 +93,13 @@ def test_fingerprints_agree_on_long_rows_and_odd_strides(shape, spec, monkeypatc
     got = set()
     for host_bytes, in_place, platform in PATHS.values():
         monkeypatch.setattr(_fingerprint, "HOST_BYTES", host_bytes)
-        monkeypatch.setattr(_fingerprint, "IN_PLACE", in_place)
+        monkeypatch.setattr(_fingerprint, "_in_place", real_in_place if in_place else lambda x: False)
         monkeypatch.setattr(_fingerprint, "_platform", lambda x, p=platform: p)
         got.add(_fingerprint.fingerprints([x])[0])
-    monkeypatch.setattr(_fingerprint, "IN_PLACE", True)
+    monkeypatch.setattr(_fingerprint, "_in_place", real_in_place)
+    monkeypatch.setattr(_fingerprint, "_platform", real_platform)
     assert len(got) == 1 and got == {block_shares(x)}
-    assert _fingerprint._in_place(x) == (shape not in [(48, 7), (8, 6, 5)])
+    assert _fingerprint._in_place(x)  # summed where it lies, whatever its strides
 
 
 def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
@@ -119,7 +122,7 @@ def test_fingerprints_on_cpu_devices_compile_nothing(monkeypatch):
     assert _fingerprint._program.cache_info().currsize == 0
     assert _fingerprint._shard_program.cache_info().currsize == 0
     monkeypatch.setattr(_fingerprint, "HOST_BYTES", -1)
-    monkeypatch.setattr(_fingerprint, "IN_PLACE", False)
+    monkeypatch.setattr(_fingerprint, "_in_place", lambda x: False)
     assert got == _fingerprint.fingerprints([*small, large])  # the same as the devices' programs
     assert _fingerprint._shard_program.cache_info().currsize == 3  # what these paths spare: 3 compiles
 
@@ -131,3 +134,32 @@ def test_block_shares_of_scalars_and_key_data_add_up_to_the_fingerprint():
 
     for x in (jnp.int32(7), jnp.float32(-0.5), jax.random.key_data(jax.random.split(jax.random.key(0), 3))):
         assert block_shares(x) == fingerprints([x])[0], x
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "int8", "bool", "float64", "uint64", "int16"], ids=lambda d: d
+)
+def test_the_device_program_and_the_numpy_reference_give_the_same_share_of_every_block(dtype):
+    """The sum is written twice, once traced for the devices (``block_share``) and once in NumPy
+    (``block_fingerprint``): for blocks of every shape and place, scalars, 8-byte words and odd strides
+    among them, the two agree; and the blocks' shares add up to the whole array's."""
+    import jax.numpy as jnp
+
+    from nnx_shard._checkpoint import block_base, block_fingerprint, block_share
+
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(dtype in ("float64", "uint64")):
+        for shape in [(), (5,), (9, 7), (4, 6, 5), (3, 1, 8)]:
+            bits = rng.integers(0, 256, (*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
+            host = bits.view(dtype).reshape(shape) if dtype != "bool" else (bits[..., 0] % 2 == 1)
+            cuts = [(0, n // 2, n) for n in shape]
+            total = 0
+            for corner in np.ndindex(*[2] * len(shape)):
+                box = tuple(slice(c[k], c[k + 1]) for c, k in zip(cuts, corner, strict=True))
+                block, start = host[box], [c[k] for c, k in zip(cuts, corner, strict=True)]
+                reference = block_fingerprint(block, start, shape)
+                base = jnp.uint32(block_base(start, shape, block.dtype))
+                device = int(jax.jit(lambda b, a, s=shape: block_share(b, a, s))(jnp.asarray(block), base))
+                assert device == reference, (shape, start)
+                total += reference
+            assert total % 2**32 == block_fingerprint(host, [0] * len(shape), shape)

@@ -63,7 +63,7 @@ def test_fingerprint_routes_by_size_place_and_platform(monkeypatch):
     big = jax.device_put(jnp.ones((1024, 64)), NamedSharding(mesh, PartitionSpec("fsdp")))
     assert fp.route(jnp.ones(8)) == "host"
     assert fp.route(big) == "in_place"
-    monkeypatch.setattr(fp, "IN_PLACE", False)  # as across processes: a program per shard
+    monkeypatch.setattr(fp, "_in_place", lambda x: False)  # as across processes: a program per shard
     assert fp.route(big) == "blocks"
     assert fp.route(jax.device_put(jnp.ones((1024, 64)), NamedSharding(mesh, PartitionSpec()))) == "blocks"
     monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
@@ -139,7 +139,6 @@ def test_a_verified_read_compiles_its_fused_programs_ahead_and_uses_them(tmp_pat
     the verification calls those executables (no second compile); the values are the jitted program's."""
     from flax import nnx
 
-    monkeypatch.setattr(fp, "IN_PLACE", False)
     monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
     monkeypatch.setattr(fp, "_AHEAD", CompiledAhead("fingerprint"))
     mesh = mesh_of("8")
@@ -176,7 +175,6 @@ def test_a_trainers_first_save_runs_fingerprint_programs_compiled_as_the_run_sta
     from nnx_shard._checkpoint import tree_fingerprints
     from tests.apps.trainer_app import RegressionTrainer, config
 
-    monkeypatch.setattr(fp, "IN_PLACE", False)
     monkeypatch.setattr(fp, "_platform", lambda x: "gpu")
     monkeypatch.setattr(fp, "_AHEAD", CompiledAhead("fingerprint"))
     calls = []
