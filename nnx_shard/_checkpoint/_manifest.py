@@ -35,17 +35,24 @@ def write_file_manifest(step_dir: Any) -> None:
 
 def changed_files(step_dir: Any) -> list[str]:
     """The small files of a step that differ from its manifest (empty without one)."""
+    return checked_files(step_dir)[0]
+
+
+def checked_files(step_dir: Any) -> tuple[list[str], dict[str, bytes]]:
+    """The small files of a step that differ from its manifest (empty without one), and the bytes of those
+    that match it, read once (a restore takes the step's metadata from them)."""
     raw = storage.read_many(step_dir, [MANIFEST])[MANIFEST]
     if raw is None:
-        return []
+        return [], {}
     try:
         sums = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return [MANIFEST]
+        return [MANIFEST], {}
     if not isinstance(sums, dict):
-        return [MANIFEST]
+        return [MANIFEST], {}
     data = storage.read_many(step_dir, list(sums))
-    return [name for name, crc in sums.items() if data[name] is None or zlib.crc32(data[name]) != crc]
+    changed = [name for name, crc in sums.items() if data[name] is None or zlib.crc32(data[name]) != crc]
+    return changed, {n: b for n, b in data.items() if b is not None and n not in changed}
 
 
 TREE_METADATA = "_METADATA"  # Orbax's tree metadata file in an item's folder

@@ -4,6 +4,7 @@ shardings."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +26,7 @@ from nnx_shard._checkpoint._format import (
     structure_problems,
     tree_fingerprints,
 )
-from nnx_shard._checkpoint._manifest import TREE_METADATA, changed_files
+from nnx_shard._checkpoint._manifest import TREE_METADATA, checked_files
 from nnx_shard.errors import CheckpointCorruptError, CheckpointMismatchError, NoCheckpointError
 
 logger = logging.getLogger("nnx_shard")
@@ -56,6 +57,8 @@ class CheckpointReader:
         self.directory, self.verify = directory, verify
         self._options, self._manager = options, manager
         self._saved_items: dict[int, list[str]] = {}  # per step, its top-level items (from its metadata)
+        self._checked: dict[int, dict[str, bytes]] = {}  # a step's small files, as its structure check read
+        self._meta: dict[int, Any] = {}  # the last checked step's metadata, read by its structure check
         self._budgeted: dict[int, ocp.CheckpointManager] = {}  # readers with a host-memory budget
 
     @property
@@ -146,7 +149,9 @@ class CheckpointReader:
     def check_structure(self, step: int, target: Any, *, items: Sequence[str] | None = None) -> None:
         """See :meth:`nnx_shard.Checkpointer.check_structure`."""
         with self.reading(step):
-            changed = changed_files(self.directory / str(step)) if self.verify else []
+            changed, self._checked[step] = (
+                checked_files(self.directory / str(step)) if self.verify else ([], {})
+            )
         if changed:
             raise self._corrupted(
                 step, f"{len(changed)} of its files differ from when it was saved: {changed[:8]}"
@@ -164,12 +169,20 @@ class CheckpointReader:
     def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """``path -> shape`` of the step's saved leaves (and its items, kept for :meth:`items`): as its save
         recorded them in its metadata, else from Orbax's tree metadata, which opens every array."""
-        folder = self.directory / str(step)
+        folder, checked = self.directory / str(step), self._checked.pop(step, {})
         with self.reading(step):  # the item's own file: no barrier across processes, as a restore has
-            meta = ocp.JsonCheckpointHandler().restore(folder / "meta", args=ocp.args.JsonRestore())
+            if "meta/metadata" in checked:  # read and checked against the manifest just now
+                meta = json.loads(checked["meta/metadata"])
+            else:
+                meta = ocp.JsonCheckpointHandler().restore(folder / "meta", args=ocp.args.JsonRestore())
             recorded = recorded_structure(meta) if isinstance(meta, Mapping) else None
-            tree_file = folder / "state" / TREE_METADATA
-            missing = recorded is not None and (not tree_file.exists() or tree_file.stat().length == 0)
+            tree, tree_file = checked.get(f"state/{TREE_METADATA}"), folder / "state" / TREE_METADATA
+            if recorded is None or tree is not None:
+                missing = recorded is not None and not tree
+            else:
+                missing = not tree_file.exists() or tree_file.stat().length == 0
+        if isinstance(meta, Mapping):
+            self._meta[step] = meta
         if recorded is None:
             saved_tree = self._saved_tree(step)
             self._saved_items[step] = sorted(saved_tree)
@@ -185,6 +198,7 @@ class CheckpointReader:
         """See :meth:`nnx_shard.Checkpointer.validate`."""
         step = self._check_step(step)
         start = time.perf_counter()
+        self._meta.clear()
         self.check_structure(step, target, items=items)
         logger.info("checked the structure of step %d in %.3f s", step, time.perf_counter() - start)
         return step
@@ -201,26 +215,26 @@ class CheckpointReader:
         return self._budgeted[limit]
 
     def read(
-        self, step: int, target: Any, *, partial: bool = False, max_host_bytes: int | None = None
+        self,
+        step: int,
+        target: Any,
+        *,
+        partial: bool = False,
+        max_host_bytes: int | None = None,
+        known: Mapping[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.read`."""
         stored, keys = storage_target(target)
         start = time.perf_counter()
         # the verification's programs compile while Orbax reads (the first compile in a process costs ~1 s)
         ahead = compile_ahead(jax.tree.leaves(stored)) if self.verify else None
+        restore_args = ocp.checkpoint_utils.construct_restore_args(stored)
+        args = {"state": ocp.args.PyTreeRestore(stored, restore_args=restore_args, partial_restore=partial)}
+        if known is None:  # else the metadata the structure check read just before, from checked bytes
+            args["meta"] = ocp.args.JsonRestore()
         with self.reading(step):
-            out = self._reader(max_host_bytes, stored).restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        stored,
-                        restore_args=ocp.checkpoint_utils.construct_restore_args(stored),
-                        partial_restore=partial,
-                    ),
-                    meta=ocp.args.JsonRestore(),
-                ),
-            )
-        states, meta = out["state"], out["meta"]
+            out = self._reader(max_host_bytes, stored).restore(step, args=ocp.args.Composite(**args))
+        states, meta = out["state"], out["meta"] if known is None else known
         if not isinstance(meta, Mapping):
             raise self._corrupted(step, f"its metadata is a {type(meta).__name__}, not a JSON object")
         meta = dict(meta)
@@ -257,5 +271,5 @@ class CheckpointReader:
     ) -> tuple[int, Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.restore`."""
         step = self.validate(step, target, items=items)
-        states, meta = self.read(step, target, partial=items is not None)
+        states, meta = self.read(step, target, partial=items is not None, known=self._meta.pop(step, None))
         return step, states, meta

@@ -79,10 +79,20 @@ class Header:
         pieces = [Piece(**p) for p in header.pop("pieces")]
         return cls(pieces=pieces, **header)
 
-    def bound(self) -> int:
-        """The most bytes :meth:`to_bytes` gives once every piece's share is summed (each at its widest)."""
-        widest = [dataclasses.replace(p, share=2**32 - 1) for p in self.pieces]
-        return len(dataclasses.replace(self, pieces=widest).to_bytes())
+    def bound(self, pieces_bytes: int | None = None) -> int:
+        """The most bytes :meth:`to_bytes` gives once every piece's share is summed; ``pieces_bytes``, the
+        length of the pieces' JSON with each share at its widest, when known (:attr:`Layouts.widest`)."""
+        if pieces_bytes is None:
+            pieces_bytes = widest_bytes(self.pieces)
+        rest = {"step": self.step, "process": self.process, "pieces": [], "data_state": self.data_state}
+        return len(json.dumps(rest).encode()) - 2 + pieces_bytes  # the pieces' JSON in place of "[]"
+
+
+def widest_bytes(pieces: Sequence[Piece]) -> int:
+    """The length of ``pieces``' JSON (as :meth:`Header.to_bytes` writes it) with each share at its widest."""
+    return len(
+        json.dumps([dataclasses.asdict(dataclasses.replace(p, share=2**32 - 1)) for p in pieces]).encode()
+    )
 
 
 class Layouts:
@@ -91,23 +101,33 @@ class Layouts:
     structure and each array's shape, dtype and sharding: the key it is remembered by."""
 
     def __init__(self) -> None:
-        self._last: tuple[Any, list[tuple[int, int, str, list[list[int]], tuple[int, ...]]], list[Piece], int]
+        self._last: tuple[Any, bool, list[tuple[int, int, str, list[list[int]], tuple[int, ...]]], list, int]
         self._last = None  # type: ignore[assignment]
+        self.widest = 0  # the last layout's pieces' JSON length, each share at its widest (Header.bound)
 
     def __call__(self, states: Any) -> tuple[list[Shard], list[Piece], int, Any]:
         """``(shards, pieces, size, key)``: the shards, their pieces (new ones) and the file's size up to the
         header, and the layout's key (equal for equal layouts)."""
-        values, treedef = jax.tree.flatten(states, is_leaf=is_variable)
-        values = [x.get_value() if is_variable(x) else x for x in values]
+        flat, treedef = jax.tree.flatten(states)  # a Variable's leaf is its value (one C call)
         key = (
             treedef,
-            tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else None for x in values),
+            tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array) else None for x in flat),
         )
         if self._last is None or self._last[0] != key:
+            values = _values(states)
+            # the plain flatten gives the values themselves unless a Variable holds no leaf (None)
+            plain = len(values) == len(flat) and all(a is b for a, b in zip(values, flat, strict=True))
             places = _places(states)
-            self._last = (key, places, *layout(_shards(values, places)))
-        _, places, pieces, size = self._last
-        return _shards(values, places), [dataclasses.replace(p) for p in pieces], size, key
+            self._last = (key, plain, places, *layout(_shards(values, places)))
+            self.widest = widest_bytes(self._last[3])
+        _, plain, places, pieces, size = self._last
+        shards = _shards(flat if plain else _values(states), places)
+        return shards, [dataclasses.replace(p) for p in pieces], size, key
+
+
+def _values(states: Any) -> list[Any]:
+    """The leaves' values (a Variable's value), in the order of ``leaf_paths``."""
+    return [x.get_value() if is_variable(x) else x for x in jax.tree.leaves(states, is_leaf=is_variable)]
 
 
 def _places(states: Any) -> list[tuple[int, int, str, list[list[int]], tuple[int, ...]]]:

@@ -178,7 +178,9 @@ class SnapshotWriter:
             shards, pieces, size, key = self._layouts(states)
             header = Header(step, jax.process_index(), pieces, data_state)
             votes = agree(
-                "snapshot.agree", [self.in_flight is not None, row_width(size + header.bound())], step=step
+                "snapshot.agree",
+                [self.in_flight is not None, row_width(size + header.bound(self._layouts.widest))],
+                step=step,
             )
             if skip_if_busy and votes[:, 0].any():
                 self.skipped += 1

@@ -82,10 +82,12 @@ def test_the_header_bound_holds_whatever_the_shares_are():
     ]
     header = _file.Header(12, 0, pieces, {"pos": "x" * 10})
     bound = header.bound()
+    assert bound == header.bound(_file.widest_bytes(pieces))  # as a layout remembers it
     for share in (0, 7, 2**32 - 1):
         for p in header.pieces:
             p.share = share
         assert len(header.to_bytes()) <= bound
+    assert len(header.to_bytes()) == bound  # each share at its widest: exactly
     assert _file.Header.from_bytes(header.to_bytes()) == header
 
 
@@ -113,3 +115,9 @@ def test_a_remembered_layout_gives_the_new_states_shards_and_a_changed_one_is_la
     moved = layouts(state(1, (None, "fsdp")))
     assert moved[3] != got[0][3]
     assert [x.index for x in moved[0] if x.path == "w"] == [[[0, 16], [k, k + 1]] for k in range(8)]
+    # a Variable without a value has no leaf in a plain flatten: the leaves are walked as Variables then
+    for scale in (4, 5):
+        holed = nnx.State({**state(scale), "none": nnx.Param(None)})
+        shards = layouts(holed)[0]
+        total = sum(float(np.asarray(s.data).sum()) for s in shards if s.path == "w")
+        assert total == float(np.arange(128.0).sum() * scale)
