@@ -98,16 +98,29 @@ def _in_place(x: jax.Array) -> bool:
     return _platform(x) == "cpu"
 
 
+@cached(maxsize=256)
+def _starts(shape: tuple[int, ...], sharding: Any) -> dict[Any, list[int]]:
+    """Each block's first element, on one device per block (the lowest id): looked up once per layout, not
+    per shard (a shard's index and replica id are computed afresh at each access)."""
+    starts, seen = {}, set()
+    for device, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
+        first = tuple(i.start or 0 for i in index)
+        if first not in seen:
+            seen.add(first)
+            starts[device] = list(first)
+    return starts
+
+
 def _in_place_fingerprints(arrays: Sequence[jax.Array]) -> list[str]:
     """:func:`fingerprints` of arrays on this process's CPUs: each block summed where it lies (a NumPy
     view of its buffer, nothing copied or compiled), in one thread per core (NumPy lets go of the GIL),
     each thread given blocks of about equal bytes."""
     blocks = []  # (array number, data, start, global shape), each block once
     for n, x in enumerate(arrays):
+        starts = _starts(tuple(x.shape), x.sharding)
         for shard in x.addressable_shards:
-            if shard.replica_id == 0:
-                start = [i.start or 0 for i in shard.index]
-                blocks.append((n, np.asarray(shard.data), start, x.shape))
+            if shard.device in starts:
+                blocks.append((n, np.asarray(shard.data), starts[shard.device], x.shape))
     if not blocks:
         return ["00000000"] * len(arrays)  # nothing to sum: empty arrays
     parts = in_threads(lambda k: block_fingerprint(*blocks[k][1:]), [b[1].nbytes for b in blocks])
