@@ -1,33 +1,19 @@
-"""Content fingerprints of arrays, computed on the devices and independent of the sharding.
+"""Content fingerprints of arrays, computed where the arrays lie and independent of the sharding.
 
-A fingerprint is a 32-bit sum over the array's bits, each 32-bit word weighted
-by an odd function of its global position. An integer sum modulo 2**32 does
-not depend on the order it is added in, so the same array gives the same
-fingerprint however it is sharded, on any number of devices or processes: a
-checkpoint saved on 8 devices verifies on 4, or on 2 processes. Any single
-changed word changes it (an odd weight times a non-zero difference is
-non-zero modulo 2**32); several changed words cancel only by a 1 in 2**32
-chance.
-
-Where it is computed (:func:`route` names it, per array):
-- On GPUs and TPUs, each device sums its own shard in one fused pass (XLA fuses
-  the weighting into the reduction there: no temporary), then one psum adds the
-  shards; one program compiled per shape, dtype and sharding, every array's
-  queued before any is read. A read of a checkpoint compiles them while Orbax
-  reads (:func:`compile_ahead`).
-- On CPU devices across processes, the same, block by block (XLA's CPU backend
-  does not fuse the weighting: the temporary is one 64 KiB block): one pass,
-  memory-bound (about 10 GB/s on a 2-core CPU's simulated devices).
-- On this process's CPU devices, each block is summed where it lies, by NumPy
-  over a view of its buffer: the weight is linear in the position but for its
-  parity, so the sum follows from the block's sums over each dimension (two
-  passes), with nothing copied or compiled: about 20 GB/s on the same CPU.
-  (8-byte words take the programs.)
-- Small arrays whose values this process holds (biases, norms, counters) are
-  summed in NumPy on the host, on any backend: no program per shape.
-
-Every route computes one sum, written twice in ``_fingerprint_shares``: the device program
-(:func:`block_share`) and its NumPy reference (:func:`block_fingerprint`).
+A fingerprint is a 32-bit sum over the array's 32-bit words, each weighted by an
+odd function of its global position: the same however the array is sharded (a
+checkpoint saved on 8 devices verifies on 4, or on 2 processes), changed by any
+single changed word, and by several only by a 1 in 2**32 chance. The sum is
+written twice in ``_fingerprint_shares``: the device program (:func:`block_share`)
+and its NumPy reference (:func:`block_fingerprint`). Where it runs (:func:`route`):
+- GPUs, TPUs: each device over its shard in one fused pass, then one psum; every
+  array's program queued before any is read, compiled ahead of a read
+  (:func:`compile_ahead`);
+- CPU devices across processes: the same in 64 KiB row blocks (XLA's CPU backend
+  does not fuse the weighting), about 10 GB/s on a 2-core CPU;
+- this process's CPU devices: NumPy over each block's buffer where it lies, two
+  passes, nothing copied or compiled, about 20 GB/s (8-byte words take the programs);
+- small arrays this process holds: NumPy on the host, on any backend (no compile).
 """
 
 from __future__ import annotations
@@ -51,18 +37,13 @@ SMALL_BYTES = 2**20
 CHUNK = 64
 
 
-def _one(x: jax.Array) -> jax.Array:
-    """The sum over a whole array: :func:`block_share` of its one block."""
-    return block_share(x, jnp.uint32(0), x.shape)
-
-
 @cached(maxsize=None)
 def _program() -> Any:
-    return jax.jit(lambda arrays: jnp.stack([_one(x) for x in arrays]))
+    """Whole arrays' sums, each one block of itself, in one program."""
+    return jax.jit(lambda arrays: jnp.stack([block_share(x, jnp.uint32(0), x.shape) for x in arrays]))
 
 
-# Arrays up to this size, whose values this process holds, are summed on the host (no compile).
-HOST_BYTES = 2**16
+HOST_BYTES = 2**16  # arrays up to this size, whose values this process holds, are summed on the host
 
 
 def _whole_words(x: jax.Array) -> bool:
@@ -100,8 +81,7 @@ def _in_place(x: jax.Array) -> bool:
 
 @cached(maxsize=256)
 def _starts(shape: tuple[int, ...], sharding: Any) -> dict[Any, list[int]]:
-    """Each block's first element, on one device per block (the lowest id): looked up once per layout, not
-    per shard (a shard's index and replica id are computed afresh at each access)."""
+    """Each block's first element, on one device per block (a shard's own index is not cached)."""
     starts, seen = {}, set()
     for device, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
         first = tuple(i.start or 0 for i in index)
@@ -197,10 +177,8 @@ _AHEAD = CompiledAhead("fingerprint")
 
 
 def compile_ahead(targets: Sequence[Any]) -> threading.Thread | None:
-    """Compiles, in a thread, the fused programs that will fingerprint arrays like ``targets`` (arrays or
-    ``jax.ShapeDtypeStruct`` with shardings) on GPUs and TPUs, so that a fingerprint after a read that
-    outlasts the compile costs no compile. Returns the thread, or None when there is nothing to compile
-    (CPU devices, small arrays, programs already there).
+    """Compiles in a thread the fused programs that will fingerprint arrays like ``targets`` (arrays or
+    sharded ``jax.ShapeDtypeStruct``) on GPUs and TPUs; the thread, or None when there is nothing to compile.
     """
     work = {}
     for x in targets:
@@ -236,14 +214,9 @@ def _signature(x: jax.Array) -> Any:
 
 
 def fingerprints(arrays: Sequence[Any]) -> list[str]:
-    """One 8-hex-digit fingerprint per array, computed on the arrays' own devices.
-
-    Small arrays this process holds are summed on the host, and arrays on this
-    process's CPU devices where they lie (see the module's docstring). Other
-    arrays of one shape, dtype and sharding share a compiled program, one call
-    per array, or per 64 arrays when more than 64 small ones share it (a deep
-    model). Calls run one after the other (XLA's CPU collectives must not
-    interleave).
+    """One 8-hex-digit fingerprint per array, computed where it lies (see the module's docstring). Arrays
+    of one shape, dtype and sharding share a compiled program, called per array, or per 64 when more than
+    64 small ones share it; calls run one after the other (XLA's CPU collectives must not interleave).
 
     >>> a = jnp.arange(8.0)
     >>> fingerprints([a]) == fingerprints([a + 0]), fingerprints([a]) == fingerprints([a.at[3].set(-1.0)])
@@ -293,10 +266,8 @@ def _fingerprints(arrays: list[jax.Array]) -> list[str]:
 
 def route(x: Any, count: int = 1) -> str:
     """How :func:`fingerprints` sums ``x`` (one of ``count`` arrays of its shape, dtype and sharding):
-    ``"host"`` (small, in NumPy), ``"in_place"`` (NumPy over this process's CPU buffers), ``"blocks"`` (a
-    program, 64 KiB blocks per shard: CPU devices), ``"fused"`` (a program, one pass per shard: GPUs and
-    TPUs), ``"whole"`` (a program over the whole array: a sharding that does not divide it) or ``"batched"``
-    (64 small arrays per program call).
+    ``"host"``, ``"in_place"``, ``"blocks"`` (CPU devices), ``"fused"`` (GPUs, TPUs), ``"whole"`` (a
+    sharding that does not divide it) or ``"batched"`` (64 small arrays a call).
 
     >>> route(jnp.ones(4)), route(jnp.ones((512, 512)))
     ('host', 'in_place')

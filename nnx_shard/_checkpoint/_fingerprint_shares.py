@@ -1,12 +1,6 @@
-"""The fingerprint's sum over a block of an array, in its two forms: traced on the block's own device
-(:func:`block_share`, the one device program every caller builds on) and in NumPy on the host
-(:func:`block_fingerprint`, the one reference).
-
-The fingerprint (see ``_fingerprint``) is a 32-bit sum over the array's
-32-bit words, each weighted by an odd function of its global position. The
-shares of blocks that tile an array add up, modulo 2**32, to its fingerprint:
-a snapshot sums each piece where it is written, a checkpoint's arrays are summed
-where they lie, and both are checked against each other after a read.
+"""The fingerprint's sum over a block of an array, written twice: traced for the block's own device
+(:func:`block_share`, the one device program) and in NumPy (:func:`block_fingerprint`, the one reference).
+The shares of blocks that tile an array add up, modulo 2**32, to its fingerprint (``_fingerprint``).
 """
 
 from __future__ import annotations
