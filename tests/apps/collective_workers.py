@@ -13,7 +13,9 @@ def extra_agreement(folder: str) -> dict:
 
     import nnx_shard as ns
     from nnx_shard._snapshots import SnapshotWriter
+    from tests.apps.snapshot_workers import watched
 
+    watched("the extra agreement worker")
     writer = SnapshotWriter(folder, keep=2)
     states = {"w": jnp.arange(64.0)}
     writer.write(3, states)

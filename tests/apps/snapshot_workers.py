@@ -8,6 +8,15 @@ import hashlib
 import numpy as np
 
 
+def watched(what: str) -> None:
+    """A watchdog over the worker's collectives, as the Trainer's ``step_timeout``: a hang ends the process
+    within a minute naming ``what`` and the collective it waits in, not at the harness's deadline."""
+    from nnx_shard._trainer._watchdog import Watchdog
+    from tests.apps.trainer_app import MULTIPROCESS_STEP_TIMEOUT
+
+    Watchdog().arm(what, MULTIPROCESS_STEP_TIMEOUT, "step_timeout")
+
+
 def write(folder: str, domain: str = "") -> dict:
     import os
 
@@ -20,6 +29,7 @@ def write(folder: str, domain: str = "") -> dict:
     if domain:
         os.environ["NNX_SHARD_FAILURE_DOMAIN"] = f"{domain}{jax.process_index() // 2}"
 
+    watched("the snapshot worker")
     states = _states(ns.create_mesh((jax.device_count(),), ("fsdp",)))
     writer = SnapshotWriter(folder, keep=2)
     need = writer.check_space(snapshot_own_bytes(states))
@@ -61,6 +71,7 @@ def delayed(folder: str, slow: str) -> dict:
     if jax.process_index() == 1:
         setattr(_writer, real, slowed)
     _writer.exchange = exchange
+    watched("the delayed snapshot worker")
     states = _states(ns.create_mesh((jax.device_count(),), ("fsdp",)))
     RECORDER.keep_journal()
     taken = []
@@ -98,6 +109,7 @@ def restore_onto_more(folder: str) -> dict:
     import nnx_shard as ns
     from nnx_shard._snapshots import restore_from_snapshots
 
+    watched("the restore worker")
     mesh = ns.create_mesh((jax.device_count(),), ("fsdp",))
     target = _states(mesh, seed=7)
     mine = Path(folder) / "process-0" if jax.process_index() == 0 else None
