@@ -12,6 +12,7 @@ and the slowest run of each test.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -44,8 +45,8 @@ def hog() -> list[subprocess.Popen]:
     return [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
 
 
-def one_round(timeout: int, report: Path) -> list[tuple[str, str, float]]:
-    """``(test, outcome, seconds)`` of each test run in one pytest."""
+def one_round(timeout: int, report: Path) -> list[tuple[str, str, float, str]]:
+    """``(test, outcome, seconds, what went wrong)`` of each test run in one pytest."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={timeout}"]
     command += [f"--junitxml={report}", *TESTS]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -57,7 +58,7 @@ def one_round(timeout: int, report: Path) -> list[tuple[str, str, float]]:
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
         if problem is None:
-            outcome = "skipped" if case.find("skipped") is not None else "passed"
+            outcome, text = ("skipped" if case.find("skipped") is not None else "passed"), ""
         else:
             text = f"{problem.get('message', '')}\n{problem.text or ''}"
             if any(mark in text for mark in HUNG):
@@ -66,8 +67,30 @@ def one_round(timeout: int, report: Path) -> list[tuple[str, str, float]]:
                 outcome = "wrong"
             else:
                 outcome = "failed"
-        out.append((name, outcome, float(case.get("time", 0.0))))
+        out.append((name, outcome, float(case.get("time", 0.0)), text[-2000:]))
     return out
+
+
+def summary(runs: list[tuple[str, str, float, str]], rounds: int, hogs: int, began: float) -> dict:
+    """The counts of each outcome, the slowest run of each test, and what went wrong in each run that did not
+    pass."""
+    counts = {o: sum(1 for r in runs if r[1] == o) for o in ("passed", "hung", "wrong", "failed")}
+    slowest: dict[str, float] = {}
+    for name, _, seconds, _ in runs:
+        slowest[name] = max(slowest.get(name, 0.0), seconds)
+    return {
+        "benchmark": "soak",
+        "machine": machine(),
+        "hog_processes": hogs,
+        "rounds": rounds,
+        "runs": len(runs),
+        **counts,
+        "slowest_s": {k: round(v, 1) for k, v in sorted(slowest.items(), key=lambda kv: -kv[1])},
+        "not_passed": [
+            {"test": n, "outcome": o, "text": t} for n, o, _, t in runs if o not in ("passed", "skipped")
+        ],
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
 
 
 def main() -> None:
@@ -77,38 +100,24 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     hogs = hog()
-    runs: list[tuple[str, str, float]] = []
+    runs: list[tuple[str, str, float, str]] = []
     began = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for k in range(args.runs):
                 got = one_round(args.timeout, Path(tmp) / f"round{k}.xml")
                 runs += got
-                bad = [f"{name}: {outcome}" for name, outcome, _ in got if outcome != "passed"]
+                bad = [f"{name}: {outcome}" for name, outcome, _, _ in got if outcome != "passed"]
                 print(f"round {k + 1}/{args.runs}: {len(got)} runs, {len(bad)} not passed {bad}", flush=True)
+                if args.out and k + 1 < args.runs:  # the rounds so far, should the soak be stopped early
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(summary(runs, k + 1, len(hogs), began), indent=1))
     finally:
         for p in hogs:
             p.kill()
-    counts = {
-        o: sum(1 for _, outcome, _ in runs if outcome == o) for o in ("passed", "hung", "wrong", "failed")
-    }
-    slowest: dict[str, float] = {}
-    for name, _, seconds in runs:
-        slowest[name] = max(slowest.get(name, 0.0), seconds)
-    write_json(
-        {
-            "benchmark": "soak",
-            "machine": machine(),
-            "hog_processes": len(hogs),
-            "rounds": args.runs,
-            "runs": len(runs),
-            **counts,
-            "slowest_s": {k: round(v, 1) for k, v in sorted(slowest.items(), key=lambda kv: -kv[1])},
-            "wall_s": round(time.perf_counter() - began, 1),
-        },
-        args.out,
-    )
-    if counts["hung"] or counts["wrong"] or counts["failed"]:
+    result = summary(runs, args.runs, len(hogs), began)
+    write_json(result, args.out)
+    if result["hung"] or result["wrong"] or result["failed"]:
         raise SystemExit(1)
 
 
