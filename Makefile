@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 LATEST_PYTHON ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.1[2-9]* 2>/dev/null | sort -V | tail -n 1 | sed 's|$$|/bin/python|')
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
-# Two test processes (pytest-xdist): the many tests that wait on processes they start overlap, and the
-# whole suite stays under 15 minutes on 2 cores (13.5 min against 21.5 min in one process).
+# Two test processes (pytest-xdist): the many tests that wait on processes they start overlap (the suite's
+# time on 2 cores is in benchmarks/RESULTS.md).
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast test-slurm slow-list test-latest test-interop interop-install docs lint install bench chaos soak clean
