@@ -38,11 +38,16 @@ def machine() -> dict[str, object]:
 
 
 def write_json(result: dict[str, object], out: str | None) -> None:
+    print(save_json(result, out))
+
+
+def save_json(result: dict[str, object], out: str | None) -> str:
+    """Writes ``result`` to ``out`` (when given) as JSON, its folder made; the JSON text."""
     text = json.dumps(result, indent=1, default=str)
-    print(text)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
+    return text
 
 
 def step_args(*flags: str):

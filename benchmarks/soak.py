@@ -12,7 +12,6 @@ and the slowest run of each test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from common import machine, write_json
+from common import machine, save_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
@@ -109,9 +108,8 @@ def main() -> None:
                 runs += got
                 bad = [f"{name}: {outcome}" for name, outcome, _, _ in got if outcome != "passed"]
                 print(f"round {k + 1}/{args.runs}: {len(got)} runs, {len(bad)} not passed {bad}", flush=True)
-                if args.out and k + 1 < args.runs:  # the rounds so far, should the soak be stopped early
-                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.out).write_text(json.dumps(summary(runs, k + 1, len(hogs), began), indent=1))
+                # the rounds so far, should the soak be stopped early
+                save_json(summary(runs, k + 1, len(hogs), began), args.out)
     finally:
         for p in hogs:
             p.kill()
