@@ -123,7 +123,23 @@ class CheckpointReader:
             )
         return tree
 
+    def _finished(self, step: int) -> bool:
+        """Whether ``step`` is a finished step there, asked of that step's folder alone (a listing also
+        reads every step's metadata: in a bucket, a request each)."""
+        options = self._options
+        name_format = ocp.step.standard_name_format(
+            step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
+        )
+        storage.refresh(self.directory)
+        try:
+            name_format.find_step(self.directory, step)
+        except ValueError:  # not there, or not finished: the listing below says which steps are
+            return False
+        return True
+
     def _check_step(self, step: int | None) -> int:
+        if step is not None and self._finished(step):
+            return step
         steps = self.all_steps()
         if not steps:
             where = "" if self._exists() else " (the directory does not exist)"

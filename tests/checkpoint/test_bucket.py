@@ -80,6 +80,27 @@ def test_a_verified_save_restores_onto_4_devices_and_a_flipped_byte_is_named(buc
     assert all(np.array_equal(a, b) for a, b in zip(values(nnx.state(fresh)), before, strict=True))
 
 
+def test_a_step_asked_for_by_number_is_read_only_if_its_save_finished(bucket, elsewhere):
+    """In a bucket a step is finished when Orbax's ``commit_success.txt`` is in it. A step named by number
+    is looked up on its own folder (no listing of every step's metadata); one whose save did not finish is
+    refused naming the finished steps, as a step that is not there is, never read as a damaged one."""
+    model = MLP(nnx.Rngs(0), width=32)
+    with ns.Checkpointer(f"{bucket}/ck", async_save=False) as ckpt:
+        for step in (2, 4):
+            assert ckpt.save(step, {"model": model}, mesh=mesh(8))
+    state = {"model": nnx.state(model)}
+    target = abstract_target(state, ns.infer_sharding(state, FSDP, mesh(4)))
+    fs, path = fsspec.core.url_to_fs(f"{bucket}/ck/4/commit_success.txt")
+    fs.rm(path)
+    with ns.Checkpointer(f"{bucket}/ck") as ckpt:
+        with pytest.raises(ns.NoCheckpointError, match=r"no checkpoint for step 4 .* the steps there are \[2\]"):
+            ckpt.restore(4, target)
+        step, restored, _ = ckpt.restore(2, target)
+    assert step == 2
+    for got, want in zip(values(restored), values(state), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_plain_orbax_checkpoints_in_a_bucket_restore_onto_4_devices(bucket, elsewhere):
     model = MLP(nnx.Rngs(0), width=32)
