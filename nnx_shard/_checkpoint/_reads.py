@@ -237,16 +237,16 @@ class CheckpointReader:
         *,
         partial: bool = False,
         max_host_bytes: int | None = None,
-        known: Mapping[str, Any] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.read`."""
+        known = self._meta.pop(step, None)  # what the step's structure check read, from checked bytes
         stored, keys = storage_target(target)
         start = time.perf_counter()
         # the verification's programs compile while Orbax reads (the first compile in a process costs ~1 s)
         ahead = compile_ahead(jax.tree.leaves(stored)) if self.verify else None
         restore_args = ocp.checkpoint_utils.construct_restore_args(stored)
         args = {"state": ocp.args.PyTreeRestore(stored, restore_args=restore_args, partial_restore=partial)}
-        if known is None:  # else the metadata the structure check read just before, from checked bytes
+        if known is None:
             args["meta"] = ocp.args.JsonRestore()
         with self.reading(step):
             out = self._reader(max_host_bytes, stored).restore(step, args=ocp.args.Composite(**args))
@@ -287,5 +287,5 @@ class CheckpointReader:
     ) -> tuple[int, Any, dict[str, Any]]:
         """See :meth:`nnx_shard.Checkpointer.restore`."""
         step = self.validate(step, target, items=items)
-        states, meta = self.read(step, target, partial=items is not None, known=self._meta.pop(step, None))
+        states, meta = self.read(step, target, partial=items is not None)
         return step, states, meta
