@@ -1,5 +1,5 @@
-"""A snapshot's copy to one peer process: the peers (a ring over failure domains), the copy sent through a
-JAX ``ppermute`` over a mesh of one device per process, and what came back."""
+"""A snapshot's copy to one peer process: the peers (a ring over failure domains), the copy sent in parts
+through JAX ``ppermute``s over a mesh of one device per process, and what came back."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from nnx_shard._base import cached
 from nnx_shard._cluster import process_mesh, recorded
 
 ROW_STEP = 2**20  # a row's width is rounded up to this
+# A row travels in parts of at most this many bytes, one ``ppermute`` each (faster than one whole row on CPUs:
+# benchmarks/RESULTS.md).
+PART_BYTES = 2**23
 PREFIX = 8  # bytes before the copy in a row: its length
 
 
@@ -44,8 +47,8 @@ def row_width(nbytes: int) -> int:
 
 def outgoing(parts: Sequence[np.ndarray], width: int) -> np.ndarray | None:
     """The row :func:`exchange` sends: the length of ``parts`` (a snapshot file's bytes), then the parts one
-    after the other, padded to ``width``; None when they do not fit (the peer then gets no copy). Made while
-    the steps run, so that the step that sends it only places it and queues the ``ppermute``."""
+    after the other, padded to ``width``; None when they do not fit (the peer then gets no copy). Made and
+    :func:`place`-d while the steps run, so that the step that sends it only runs the ``ppermute``s."""
     size = sum(int(p.size) for p in parts)
     if PREFIX + size > width:
         return None
@@ -64,22 +67,33 @@ def empty(width: int) -> np.ndarray:
     return np.zeros((1, width), np.uint8)
 
 
-def exchange(row: np.ndarray, dest: Sequence[int], step: int) -> Any:
-    """Starts sending an :func:`outgoing` row to process ``dest[me]`` through a JAX ``ppermute`` (a
-    collective, called by every process in the same order, with rows of the width they agreed);
-    :func:`received` gives what came here."""
-    n, me = jax.process_count(), jax.process_index()
+def place(row: np.ndarray) -> list[Any]:
+    """The row in parts of at most ``PART_BYTES``, each placed on this process's device of the process mesh
+    and waited for, off the step's path: the step that sends them finds them ready on every process, and a
+    CPU then runs each ``ppermute`` inline, in order. With one process, the parts as they are (its own
+    peer)."""
+    parts = [row[:, a : a + PART_BYTES] for a in range(0, row.shape[1], PART_BYTES)]
+    if jax.process_count() == 1:
+        return parts
+    device = list(process_mesh().devices.flat)[jax.process_index()]
+    return jax.block_until_ready([jax.device_put(part, device) for part in parts])
+
+
+def exchange(parts: Sequence[Any], dest: Sequence[int], step: int) -> list[Any]:
+    """Sends a :func:`place`-d row to process ``dest[me]``, one JAX ``ppermute`` a part (collectives, called
+    by every process in the same order, with rows of the width they agreed); :func:`received` gives what
+    came here."""
+    n = jax.process_count()
     if n == 1:
-        return row  # its own peer: written twice, never changed
+        return list(parts)  # its own peer: written twice, never changed
     mesh = process_mesh()
-    # placed and waited for before the ppermute on every process, so that it runs the same way on each (a
-    # CPU runs a collective whose input is ready inline, one whose input is still coming later, when
-    # another collective may already have been queued)
-    local = jax.device_put(row, list(mesh.devices.flat)[me]).block_until_ready()
-    sharding = NamedSharding(mesh, PartitionSpec("p"))
-    whole = jax.make_array_from_single_device_arrays((n, row.shape[1]), sharding, [local])
-    with recorded("snapshot.exchange", step, row.shape):
-        return _ppermute(mesh, tuple(int(d) for d in dest))(whole)
+    sharding, send = NamedSharding(mesh, PartitionSpec("p")), _ppermute(mesh, tuple(int(d) for d in dest))
+    sent = []
+    for part in parts:
+        whole = jax.make_array_from_single_device_arrays((n, part.shape[1]), sharding, [part])
+        with recorded("snapshot.exchange", step, whole.shape):
+            sent.append(send(whole))
+    return sent
 
 
 @cached(maxsize=None)
@@ -94,9 +108,10 @@ def _ppermute(mesh: Mesh, to: tuple[int, ...]) -> Callable[[jax.Array], jax.Arra
     return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
-def received(sent: Any) -> np.ndarray:
+def received(sent: Sequence[Any]) -> np.ndarray:
     """The bytes an :func:`exchange` brought here (waits for them; dispatches nothing); empty when the peer
     sent none."""
-    row = sent if isinstance(sent, np.ndarray) else np.asarray(sent.addressable_shards[0].data)
-    size = int.from_bytes(bytes(row[0, :PREFIX]), "little")
+    parts = [p if isinstance(p, np.ndarray) else np.asarray(p.addressable_shards[0].data) for p in sent]
+    size = int.from_bytes(bytes(parts[0][0, :PREFIX]), "little")
+    row = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     return row[0, PREFIX : PREFIX + size]

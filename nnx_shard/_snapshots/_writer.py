@@ -3,8 +3,8 @@
 Every ``snapshot_every`` steps each process packs the shards it owns (replica 0
 of every addressable shard of model, optimizer and EMA) into one file
 (``_file``) in its own folder under the snapshot directory (``/dev/shm``
-where it exists: host memory). The same bytes go to one peer through a
-``ppermute`` (``_peer``), so that a host's death loses no snapshot data: the
+where it exists: host memory). The same bytes go to one peer through
+``ppermute``s (``_peer``), so that a host's death loses no snapshot data: the
 peer is on another failure domain (the host name, or
 ``NNX_SHARD_FAILURE_DOMAIN``). The newest ``keep`` snapshots are kept.
 
@@ -43,7 +43,7 @@ import numpy as np
 from nnx_shard._cluster import agree, gather_json
 from nnx_shard._snapshots._device import Staged, Staging
 from nnx_shard._snapshots._file import HEADER, Header, Layouts, Mappings, Shard, copy_in, sum_shares
-from nnx_shard._snapshots._peer import empty, exchange, outgoing, peers, received, row_width
+from nnx_shard._snapshots._peer import empty, exchange, outgoing, peers, place, received, row_width
 from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
@@ -81,7 +81,7 @@ class _Snapshot:
     width: int  # of the rows every process sends its peer, agreed
     pages: np.ndarray | None = None  # its own file, mapped, when the step copied into it
     staged: Staged | None = None  # the devices' own copies (GPUs, TPUs)
-    row: np.ndarray | None = None  # the copy for the peer, once packed
+    parts: list[Any] | None = None  # the copy for the peer, once packed and placed (``place``)
     exchanged: bool = False
     error: str | None = None
 
@@ -292,11 +292,12 @@ class SnapshotWriter:
                     None  # the mapping stays (self._maps): the next write into this file finds it
                 )
                 if not snapshot.exchanged:
-                    snapshot.row = outgoing([buf, np.frombuffer(header, np.uint8)], snapshot.width)
-                    if snapshot.row is None:
+                    row = outgoing([buf, np.frombuffer(header, np.uint8)], snapshot.width)
+                    if row is None:
                         raise ValueError(
                             f"the copy for the peer is wider than the {snapshot.width} bytes agreed"
                         )
+                    snapshot.parts = place(row)
                 else:
                     self._publish(snapshot, None)
                 logger.debug("snapshot of step %d packed", snapshot.step)
@@ -307,12 +308,11 @@ class SnapshotWriter:
         """Sends the packed own file to the peer (a collective, on the main thread; an empty row when the
         snapshot failed here) and writes what came here in the background."""
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.exchange", step=snapshot.step):
-            self._join()  # the own file is packed
-            row = (
-                snapshot.row if snapshot.error is None and snapshot.row is not None else empty(snapshot.width)
-            )
-            snapshot.row = None
-            sent = exchange(row, self.dest, snapshot.step)
+            self._join()  # the own file is packed and placed
+            ok = snapshot.error is None and snapshot.parts is not None
+            parts = snapshot.parts if ok else place(empty(snapshot.width))
+            snapshot.parts = None
+            sent = exchange(parts, self.dest, snapshot.step)
             snapshot.exchanged = True
             self._job = self._pool.submit(self._receive, snapshot, sent)
 

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from nnx_shard._snapshots._peer import PREFIX, ROW_STEP, empty, exchange, outgoing, peers, received, row_width
+from nnx_shard._snapshots._peer import (
+    PART_BYTES,
+    PREFIX,
+    ROW_STEP,
+    empty,
+    exchange,
+    outgoing,
+    peers,
+    place,
+    received,
+    row_width,
+)
 
 
 def test_peers_leave_their_failure_domain():
@@ -26,6 +37,16 @@ def test_a_row_carries_its_copy_and_length_and_comes_back_as_it_was():
     assert width == 2 * ROW_STEP and row_width(ROW_STEP - PREFIX) == ROW_STEP
     row = outgoing(parts, width)
     assert row.shape == (1, width) and not row[0, PREFIX + size :].any()
-    assert bytes(received(exchange(row, [0], step=3))) == b"".join(p.tobytes() for p in parts)
+    assert bytes(received(exchange(place(row), [0], step=3))) == b"".join(p.tobytes() for p in parts)
     assert outgoing(parts, ROW_STEP) is None
-    assert received(exchange(empty(width), [0], step=3)).size == 0
+    assert received(exchange(place(empty(width)), [0], step=3)).size == 0
+
+
+def test_a_row_wider_than_a_part_travels_in_parts_and_comes_back_whole():
+    """A row goes in parts of at most ``PART_BYTES`` (one ``ppermute`` each); what comes back is the copy as
+    it was, its length read from the first part."""
+    copy = np.random.default_rng(0).integers(0, 256, 2 * PART_BYTES + 3, dtype=np.uint8)
+    width = row_width(copy.size)
+    sent = place(outgoing([copy], width))
+    assert [p.shape[1] for p in sent] == [PART_BYTES, PART_BYTES, width - 2 * PART_BYTES]
+    np.testing.assert_array_equal(received(exchange(sent, [0], step=1)), copy)

@@ -200,6 +200,7 @@ def test_every_processes_local_view_gives_the_same_collectives(tmp_path, monkeyp
     monkeypatch.setattr(jax, "process_count", lambda: processes)
     monkeypatch.setattr(_writer, "agree", agree)
     monkeypatch.setattr(_writer, "exchange", exchange)
+    monkeypatch.setattr(_writer, "place", lambda row: [row])  # no device of another process to place on
     monkeypatch.setattr(_writer, "gather_json", lambda value, **kw: [value] * processes)
     monkeypatch.setattr(
         _writer.SnapshotWriter, "in_flight", property(lambda w: w._step if busy(me[0], w._step) else None)
