@@ -45,9 +45,10 @@ def hog() -> list[subprocess.Popen]:
 
 
 def one_round(timeout: int, report: Path) -> list[tuple[str, str, float, str]]:
-    """``(test, outcome, seconds, what went wrong)`` of each test run in one pytest."""
+    """``(test, outcome, seconds, text)`` of each test run in one pytest: what went wrong, or for a run that
+    passed, the end of what it printed (a job's own output, for the slowest run of each test)."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={timeout}"]
-    command += [f"--junitxml={report}", *TESTS]
+    command += [f"--junitxml={report}", "-o", "junit_logging=all", *TESTS]  # a passed test's output too
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout * len(TESTS) + 300
@@ -57,7 +58,8 @@ def one_round(timeout: int, report: Path) -> list[tuple[str, str, float, str]]:
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
         if problem is None:
-            outcome, text = ("skipped" if case.find("skipped") is not None else "passed"), ""
+            outcome = "skipped" if case.find("skipped") is not None else "passed"
+            text = "\n".join((case.findtext(tag) or "") for tag in ("system-out", "system-err"))
         else:
             text = f"{problem.get('message', '')}\n{problem.text or ''}"
             if any(mark in text for mark in HUNG):
@@ -66,7 +68,7 @@ def one_round(timeout: int, report: Path) -> list[tuple[str, str, float, str]]:
                 outcome = "wrong"
             else:
                 outcome = "failed"
-        out.append((name, outcome, float(case.get("time", 0.0)), text[-2000:]))
+        out.append((name, outcome, float(case.get("time", 0.0)), text[-6000:]))
     return out
 
 
@@ -75,8 +77,11 @@ def summary(runs: list[tuple[str, str, float, str]], rounds: int, hogs: int, beg
     pass."""
     counts = {o: sum(1 for r in runs if r[1] == o) for o in ("passed", "hung", "wrong", "failed")}
     slowest: dict[str, float] = {}
-    for name, _, seconds, _ in runs:
-        slowest[name] = max(slowest.get(name, 0.0), seconds)
+    printed: dict[str, str] = {}  # what the slowest run of each test printed
+    for name, outcome, seconds, text in runs:
+        if seconds >= slowest.get(name, 0.0):
+            slowest[name] = seconds
+            printed[name] = text if outcome == "passed" else ""
     return {
         "benchmark": "soak",
         "machine": machine(),
@@ -85,6 +90,7 @@ def summary(runs: list[tuple[str, str, float, str]], rounds: int, hogs: int, beg
         "runs": len(runs),
         **counts,
         "slowest_s": {k: round(v, 1) for k, v in sorted(slowest.items(), key=lambda kv: -kv[1])},
+        "slowest_printed": {k: v for k, v in printed.items() if v},
         "not_passed": [
             {"test": n, "outcome": o, "text": t} for n, o, _, t in runs if o not in ("passed", "skipped")
         ],

@@ -204,8 +204,18 @@ def main() -> None:
         help="STEP:TO: first run, train to STEP, restore step TO and train on other data (--kill then "
         "strikes on that branch); a restart goes on with that data",
     )
+    ap.add_argument(
+        "--timeline", action="store_true", help="print a timestamped line at each step and phase (to stdout)"
+    )
     args = ap.parse_args()
     restart = info.restart if info is not None else 0
+
+    def mark(what: str) -> None:  # one write a line: the processes share the launcher's stdout
+        if args.timeline:
+            stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
+            os.write(1, f"{stamp} run {restart} process {jax.process_index()}: {what}\n".encode())
+
+    mark("started")
     RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")
     trainer = RecordingTrainer(
         {
@@ -221,12 +231,15 @@ def main() -> None:
             "shutdown_timeout": 5,
         }
     )
+    trainer.add_callback(lambda step, metrics, t: mark(f"step {step} done"))
     data = numbered_data(args.data) if args.data != "callable" else lambda step: batch_for(step, rows=ROWS)
     if args.rollback:  # a branch: from step TO on, other data
         if restart == 0:
             until, to = (int(x) for x in args.rollback.split(":"))
             trainer.train(data, steps=until)
+            mark(f"restoring step {to}")
             trainer.restore_and_reshard(step=to)
+            mark(f"restored step {to}")
         data = branch_data
     if args.kill and restart == 0:
         who, at = (int(x) for x in args.kill.split(":"))
@@ -247,6 +260,7 @@ def main() -> None:
         trainer.train(data, steps=args.off_host_at)
         trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 0])
     history = trainer.train(data)
+    mark("trained")
     kernel = trainer.states["model"]["out"]["kernel"].get_value()
     result = {
         "restart": restart,
@@ -260,6 +274,7 @@ def main() -> None:
     }
     if jax.process_index() == 0:
         Path(args.workdir, f"result-{restart}.json").write_text(json.dumps(result))
+    mark("done")
 
 
 if __name__ == "__main__":

@@ -122,7 +122,11 @@ def test_a_restart_after_a_rollback_resumes_the_branch_not_the_snapshots_of_the_
     resumed from the left run's step 8), so the restart resumes from the branch's own snapshot and ends
     where the same run without a death ends."""
     workdir = tmp_path / "job"
-    done = run_job(workdir, 2, 4, "1:7", steps=12, extra=("--snapshot-every", "1", "--rollback", "8:4"))
+    extra = ("--snapshot-every", "1", "--rollback", "8:4", "--timeline")
+    done = run_job(workdir, 2, 4, "1:7", steps=12, extra=extra)
+    # the job's timeline, kept by pytest with the test (make soak records it for the slowest run: one run in
+    # about 30 rounds under load has taken 230 s where most take 20-30)
+    print("\n".join(line for line in done.stdout.splitlines() if "Gloo" not in line))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     said = events(done)  # the death named may be process 0's, aborted by the service once its peer was gone
     assert said[1].endswith("; restart 1 on 1 process x 4 devices"), said
