@@ -10,6 +10,7 @@ grain iterator of this process's own shard; every process writes the example num
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -212,7 +213,7 @@ def main() -> None:
 
     def mark(what: str) -> None:  # one write a line: the processes share the launcher's stdout
         if args.timeline:
-            stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
+            stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # one reading of the clock
             os.write(1, f"{stamp} run {restart} process {jax.process_index()}: {what}\n".encode())
 
     mark("started")
