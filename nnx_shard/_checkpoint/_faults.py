@@ -147,12 +147,10 @@ def named(error: BaseException) -> tuple[list[str], list[str]]:
 def quiet() -> Iterator[list[str]]:
     """Silences the dependencies' loggers and unraisable-exception reports for the duration.
 
-    A damaged file makes Orbax's reader coroutines fail one by one, and each
-    one left unawaited is printed by ``sys.unraisablehook`` with its whole
-    TensorStore spec (57,000 lines for a large model). Their first lines are
-    collected into the yielded list instead, for the error's detail. Blocks
-    nest: the outermost one collects the garbage once, when an error passed through any of them (a
-    successful read leaves no coroutine unawaited, and a collection costs about 70 ms).
+    A damaged file makes Orbax's reader coroutines fail one by one, and each one left unawaited is printed
+    by ``sys.unraisablehook`` with its whole TensorStore spec; their first lines are collected into the
+    yielded list instead, for the error's detail. Blocks nest: the outermost one collects the garbage once,
+    when an error passed through any of them (a successful read leaves no coroutine unawaited).
     """
     hidden: list[str] = []
     saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in _QUIET]

@@ -3,16 +3,12 @@
 A fingerprint is a 32-bit sum over the array's 32-bit words, each weighted by an
 odd function of its global position: the same however the array is sharded (a
 checkpoint saved on 8 devices verifies on 4, or on 2 processes), changed by any
-single changed word, and by several only by a 1 in 2**32 chance. The sum is
-written twice in ``_fingerprint_shares``: the device program (:func:`block_share`)
-and its NumPy reference (:func:`block_fingerprint`). Where it runs (:func:`route`):
-- GPUs, TPUs: each device over its shard in one fused pass, then one psum; every
-  array's program queued before any is read, compiled ahead of a read
-  (:func:`compile_ahead`);
-- CPU devices across processes: the same in 64 KiB row blocks (XLA's CPU backend
-  does not fuse the weighting), about 10 GB/s on a 2-core CPU;
-- this process's CPU devices: NumPy over each block's buffer where it lies, two
-  passes, nothing copied or compiled, about 20 GB/s (8-byte words take the programs);
+single changed word, and by several only by a 1 in 2**32 chance. The sum is written twice in
+``_fingerprint_shares``: the device program and its NumPy reference. Where it runs (:func:`route`):
+- GPUs, TPUs: each device over its shard in one fused pass, then one psum; every array's program queued
+  before any is read, compiled ahead of a read (:func:`compile_ahead`);
+- CPU devices across processes: the same in 64 KiB row blocks (XLA's CPU backend does not fuse the weighting);
+- this process's CPU devices: NumPy over each block's buffer where it lies (8-byte words take the programs);
 - small arrays this process holds: NumPy on the host, on any backend (no compile).
 """
 
@@ -129,14 +125,9 @@ def _by_shard(x: jax.Array) -> bool:
 
 @cached(maxsize=256)
 def _shard_program(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding, blocks: bool) -> Any:
-    """The same sum as :func:`_one`, each device over its own shard, then one ``psum``.
-
-    With ``blocks`` (CPU devices), the shard is summed in 64 KiB blocks by a
-    loop: XLA's CPU backend does not fuse the weighting into the reduction, so
-    a whole-shard sum would hold a weighted copy of it. Without (GPUs, TPUs),
-    in one pass that XLA fuses: a loop there costs a kernel launch and a host
-    round trip per block.
-    """
+    """The sum, each device over its own shard, then one ``psum``. With ``blocks`` (CPU devices) in 64 KiB
+    blocks by a loop (a whole-shard sum would hold a weighted copy of it); without (GPUs, TPUs) in one pass
+    that XLA fuses (a loop there costs a kernel launch and a host round trip per block)."""
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     strides = [s % 2**32 for s in word_strides(word_shape(shape, dtype))]
     sharded = tuple(a for entry in spec for a in entry_axes(entry))

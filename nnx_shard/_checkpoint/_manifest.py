@@ -33,11 +33,6 @@ def write_file_manifest(step_dir: Any) -> None:
     storage.write_bytes(step_dir / MANIFEST, json.dumps(sums).encode())
 
 
-def changed_files(step_dir: Any) -> list[str]:
-    """The small files of a step that differ from its manifest (empty without one)."""
-    return checked_files(step_dir)[0]
-
-
 def checked_files(step_dir: Any) -> tuple[list[str], dict[str, bytes]]:
     """The small files of a step that differ from its manifest (empty without one), and the bytes of those
     that match it, read once (a restore takes the step's metadata from them)."""

@@ -135,9 +135,9 @@ class SnapshotWriter:
 
     def prepare(self, states: Any) -> None:
         """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs)."""
-        shards, _, _, key = self._layouts(states)
+        shards = self._layouts(states)[0]
         if _accelerated(shards):
-            self._staging.prepare(shards, key)
+            self._staging.prepare(shards)
 
     def check_space(self, own_bytes: int) -> int:
         """Bytes the kept snapshots need here (own + peer, times ``keep``); a ConfigError on every process

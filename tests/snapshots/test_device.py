@@ -84,24 +84,24 @@ def test_staging_needs_room_on_every_device():
 
 
 def test_a_transfer_that_fails_in_the_background_loses_that_snapshot_only(tmp_path, monkeypatch, caplog):
-    """The runtime refusing a chunk's transfer to the host (no pinned memory left, say) is logged when the
+    """The runtime refusing a copy's transfer to the host (no host memory left, say) is logged when the
     writer next waits; that snapshot is not published, and the next one is written whole."""
     states = {
         "w": jax.device_put(jnp.arange(4096.0).reshape(64, 64), NamedSharding(mesh_of("8"), PartitionSpec()))
     }
     writer = staged_writer(tmp_path, monkeypatch)
-    real = _device.host_memory
+    real = _device.to_host
 
-    def refuse(chunk):
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no pinned host memory for a transfer")
+    def refuse(copy):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no host memory for a transfer")
 
-    monkeypatch.setattr(_device, "host_memory", refuse)
+    monkeypatch.setattr(_device, "to_host", refuse)
     assert writer.write(1, states)
     with caplog.at_level("WARNING", logger="nnx_shard"):
         writer.wait()
     assert "the snapshot of step 1 could not be written: RESOURCE_EXHAUSTED" in caplog.text
     assert not (writer.folder / "step-1").exists()
-    monkeypatch.setattr(_device, "host_memory", real)
+    monkeypatch.setattr(_device, "to_host", real)
     assert writer.write(2, states)
     writer.wait()
     header, _ = _file.unpack(np.fromfile(writer.folder / "step-2" / "own.bin", np.uint8))
