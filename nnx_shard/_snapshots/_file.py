@@ -1,10 +1,8 @@
 """A snapshot file: ``[8 bytes: where the header starts][the shards][the JSON header]``.
 
-Each shard this process owns (replica 0 of its addressable shards) is a
-:class:`Piece` of the file, aligned to 64 bytes, with its share of its array's
-content fingerprint: the pieces of one array add up to the fingerprint of the
-step the snapshot claims, so that a piece is checked where it is read and the
-whole after it is placed on other devices.
+Each shard this process owns (replica 0 of its addressable shards) is a :class:`Piece` of the file, aligned
+to 64 bytes, with its share of its array's content fingerprint: the pieces of one array add up to the
+fingerprint of the step, so that a piece is checked where it is read and the whole once placed.
 """
 
 from __future__ import annotations

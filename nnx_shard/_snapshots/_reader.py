@@ -1,15 +1,12 @@
 """Restoring the survivors of a lost process from in-memory snapshots, onto whatever mesh is left.
 
-Every process of the new run reads only its own folder of the previous run
-(its own shards, and the copy of one peer's). The processes agree on the
-newest step whose snapshots cover every process of the previous run, each
-unpacks the buffers it serves (each piece checked against its share of the
-fingerprint), and every byte a new shard
-needs is sent once, straight from the process that holds it, through one JAX
-``all_to_all`` over one device per process: no process ever holds a whole
-array. The placed state is checked against the snapshot's content
-fingerprints; anything that does not read or verify on any process makes
-every process return None, and the caller falls back to a checkpoint.
+Every process of the new run reads only its own folder of the previous run (its own shards, and the copy
+of one peer's). The processes agree on the newest step whose snapshots cover every process of the previous
+run, each unpacks the pieces it serves (each checked against its share of the fingerprint), and every byte
+a new shard needs is sent once, straight from the process that holds it, through one JAX ``all_to_all``
+over one device per process: no process ever holds a whole array. The placed state is checked against the
+fingerprints; anything that does not read or verify on any process makes every process return None, and
+the caller falls back to a checkpoint.
 """
 
 from __future__ import annotations
@@ -192,9 +189,7 @@ def _exchange(
     """``{leaf path: [(box, data), ...]}``: the blocks this process's new shards need, its own cut locally and
     the others' received, each sent once by the process holding it through one ``all_to_all``."""
     me = jax.process_index()
-    first = next(
-        (k for k, p in enumerate(catalogue) if p[0] == me), 0
-    )  # ``local`` is the catalogue from here
+    first = next((k for k, p in enumerate(catalogue) if p[0] == me), 0)  # where ``local`` starts in it
     outgoing: list[list[bytes]] = [[] for _ in range(jax.process_count())]
     blocks: dict[str, list[tuple[Block, np.ndarray]]] = {}
     moves = list(_moves(catalogue, targets))

@@ -1,26 +1,15 @@
 """In-memory snapshots: each process's own shards in host memory, and a copy of one peer's through JAX.
 
-Every ``snapshot_every`` steps each process packs the shards it owns (replica 0
-of every addressable shard of model, optimizer and EMA) into one file
-(``_file``) in its own folder under the snapshot directory (``/dev/shm``
-where it exists: host memory). The same bytes go to one peer through
-``ppermute``s (``_peer``), so that a host's death loses no snapshot data: the
-peer is on another failure domain (the host name, or
-``NNX_SHARD_FAILURE_DOMAIN``). The newest ``keep`` snapshots are kept.
+Every ``snapshot_every`` steps each process packs the shards it owns (replica 0 of every addressable shard)
+into one file (``_file``) in its own folder under the snapshot directory (``/dev/shm`` where it exists).
+The same bytes go to one peer on another failure domain (the host name, or ``NNX_SHARD_FAILURE_DOMAIN``)
+through ``ppermute``s (``_peer``), so that a host's death loses no snapshot data.
 
-One path per platform. On CPU devices, whose memory is the host's, the step
-copies the shards straight into the file (before the next step may donate
-them); on GPUs and TPUs it queues each device's copy within its own memory
-(``_device``), which leaves for the host in the background. Summing each
-piece's fingerprint share, writing the header and packing the peer's copy
-happen beside the next steps, in one background thread.
-
-Every collective is decided by values all processes agreed on: each snapshot
-starts with one agreement (``[busy, width]``: whether any process still writes
-the last one, and the width of the rows the copies travel in), and the copy
-goes to the peer a fixed number of steps after it (``EXCHANGE_AFTER``, fewer when
-the snapshots are closer). A
-snapshot's folder is written as ``.step-N.tmp`` and renamed (complete, or not
+On CPU devices the step copies the shards straight into the file (before the next step may donate them);
+on GPUs and TPUs it queues each device's copy within its own memory (``_device``). The shares, the header
+and the peer's copy are made in one background thread. Every collective is decided by values all processes
+agreed on: each snapshot starts with one agreement (``[busy, width]``), and the copy goes to the peer a
+fixed number of steps after it. A folder is written as ``.step-N.tmp`` and renamed (complete, or not
 there), reusing the pages of the oldest kept one.
 """
 
@@ -48,9 +37,7 @@ from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
 DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
-# A snapshot goes to its peer before the second step after it (one step runs beside its packing), or before
-# the next one when the snapshots are closer than 3 steps apart (the next one's agreement then finds it done).
-EXCHANGE_AFTER = 2
+EXCHANGE_AFTER = 2  # steps from a snapshot to its copy's exchange (one step runs beside its packing)
 
 
 def default_snapshot_dir(job: str) -> Path:
@@ -90,13 +77,10 @@ class SnapshotWriter:
     """Writes each snapshot (own + one peer's shards) to this process's folder, off the step's path; keeps
     the newest ``keep``.
 
-    ``write`` starts a snapshot and returns; with several processes ``poll``,
-    before each step, sends the packed copy to the peer ``exchange_after`` steps
-    after the snapshot: ``EXCHANGE_AFTER``, or 1 when the snapshots are less
-    than 3 steps apart (``every``; every process calls both at the same steps,
-    with the same ``every``). ``wait``
-    finishes the snapshot in flight; ``skipped`` counts the snapshots not taken
-    because one was still being written on some process.
+    ``write`` starts a snapshot and returns; with several processes ``poll``, before each step, sends the
+    packed copy to the peer ``EXCHANGE_AFTER`` steps after the snapshot, or 1 when they are less than 3
+    apart (``every``; every process calls both at the same steps). ``wait`` finishes the snapshot in
+    flight; ``skipped`` counts the snapshots not taken because one was still being written somewhere.
 
     >>> import tempfile
     >>> writer = SnapshotWriter(tempfile.mkdtemp())
@@ -135,8 +119,7 @@ class SnapshotWriter:
 
     def prepare(self, states: Any) -> None:
         """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs)."""
-        shards = self._layouts(states)[0]
-        if _accelerated(shards):
+        if _accelerated(shards := self._layouts(states)[0]):
             self._staging.prepare(shards)
 
     def check_space(self, own_bytes: int) -> int:
@@ -288,9 +271,7 @@ class SnapshotWriter:
                     f.seek(snapshot.size)
                     f.write(header)
                     f.truncate(snapshot.size + len(header))
-                snapshot.pages = (
-                    None  # the mapping stays (self._maps): the next write into this file finds it
-                )
+                snapshot.pages = None  # the mapping stays in self._maps for the next write
                 if not snapshot.exchanged:
                     row = outgoing([buf, np.frombuffer(header, np.uint8)], snapshot.width)
                     if row is None:
