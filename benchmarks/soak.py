@@ -54,6 +54,8 @@ def one_round(timeout: int, report: Path) -> list[tuple[str, str, float, str]]:
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout * len(TESTS) + 300
     )
     out = []
+    if not report.exists():  # pytest was stopped (or died) before writing its report
+        return out
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
@@ -106,12 +108,15 @@ def main() -> None:
     args = ap.parse_args()
     hogs = hog()
     runs: list[tuple[str, str, float, str]] = []
-    began = time.perf_counter()
+    began, rounds = time.perf_counter(), 0
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for k in range(args.runs):
                 got = one_round(args.timeout, Path(tmp) / f"round{k}.xml")
-                runs += got
+                if not got:
+                    print(f"round {k + 1}: pytest wrote no report (stopped?); {k} rounds counted", flush=True)
+                    break
+                runs, rounds = runs + got, k + 1
                 bad = [f"{name}: {outcome}" for name, outcome, _, _ in got if outcome != "passed"]
                 print(f"round {k + 1}/{args.runs}: {len(got)} runs, {len(bad)} not passed {bad}", flush=True)
                 # the rounds so far, should the soak be stopped early
@@ -119,7 +124,7 @@ def main() -> None:
     finally:
         for p in hogs:
             p.kill()
-    result = summary(runs, args.runs, len(hogs), began)
+    result = summary(runs, rounds, len(hogs), began)
     write_json(result, args.out)
     if result["hung"] or result["wrong"] or result["failed"]:
         raise SystemExit(1)
