@@ -120,7 +120,7 @@ def main() -> None:
                 bad = [f"{name}: {outcome}" for name, outcome, _, _ in got if outcome != "passed"]
                 print(f"round {k + 1}/{args.runs}: {len(got)} runs, {len(bad)} not passed {bad}", flush=True)
                 # the rounds so far, should the soak be stopped early
-                save_json(summary(runs, k + 1, len(hogs), began), args.out)
+                save_json(summary(runs, rounds, len(hogs), began), args.out)
     finally:
         for p in hogs:
             p.kill()

@@ -94,15 +94,18 @@ def has_room(shards: Sequence[Shard], groups: dict[Any, list[int]] | None = None
     return True
 
 
+def _work(shards: Sequence[Shard]) -> list[tuple[Any, list[int], Any]]:
+    """``(device, shard positions, program key)`` of each device holding some of ``shards``."""
+    return [
+        (device, members, _key([shards[k] for k in members])) for device, members in _groups(shards).items()
+    ]
+
+
 def stage_programs(shards: Sequence[Shard]) -> dict[Any, tuple[Any, tuple[Any, ...]]]:
     """``{(device, key): (jitted program, abstract arguments)}``: what each device runs to stage ``shards``,
     ready to compile (the arguments hold no buffer of the live state)."""
-    work = {}
-    for device, members in _groups(shards).items():
-        key = _key([shards[k] for k in members])
-        args = [jax.ShapeDtypeStruct(s.data.shape, s.data.dtype, sharding=s.data.sharding) for s in shards]
-        work[(device, key)] = (_program(key), ([args[k] for k in members],))
-    return work
+    args = [jax.ShapeDtypeStruct(s.data.shape, s.data.dtype, sharding=s.data.sharding) for s in shards]
+    return {(d, key): (_program(key), ([args[k] for k in members],)) for d, members, key in _work(shards)}
 
 
 def to_host(chunk: jax.Array) -> np.ndarray:
@@ -143,7 +146,7 @@ class Staging:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._told = False  # that a device lacked the room (once)
-        self._last: tuple[Any, dict[Any, list[int]], list[Any]] = (None, {}, [])  # layout, groups, programs
+        self._last: tuple[Any, list[Any], list[Any]] = (None, [], [])  # layout, its work, its programs
 
     def prepare(self, shards: Sequence[Shard]) -> None:
         """Compiles each device's program for ``shards``' layout in a thread (:class:`CompiledAhead`)."""
@@ -155,9 +158,9 @@ class Staging:
         if not shards:
             return None
         if layout is None or self._last[0] != layout:
-            self._last = (layout, _groups(shards), [])
-        _, groups, programs = self._last
-        if not has_room(shards, groups):
+            self._last = (layout, _work(shards), [])
+        _, work, programs = self._last
+        if not has_room(shards, {device: members for device, members, _ in work}):
             if not self._told:
                 self._told = True
                 logger.info("snapshots copy from the live buffers: a device lacks room for their copies")
@@ -166,12 +169,10 @@ class Staging:
             self._thread.join()
             self._thread = None
         if not programs:
-            for device, members in groups.items():
-                key = _key([shards[k] for k in members])
-                programs.append(_COMPILED.get((device, key)) or _program(key))
+            programs += [_COMPILED.get((device, key)) or _program(key) for device, _, key in work]
         chunks: list[Any] = [None] * len(shards)
         shares = []
-        for program, members in zip(programs, groups.values(), strict=True):
+        for program, (_, members, _) in zip(programs, work, strict=True):
             out, values = program([shards[k].data for k in members])
             for k, pieces in zip(members, out, strict=True):
                 chunks[k] = pieces
