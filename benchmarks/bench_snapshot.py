@@ -61,7 +61,6 @@ def where_the_time_goes(states, repeats: int = 5) -> dict[str, object]:
     background (what ``wait`` then waits for), the best of each."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # host memory, as the Trainer's snapshots
     writer = SnapshotWriter(tempfile.mkdtemp(prefix="bench_snapshot_", dir=shm), keep=2)
-    writer.prepare(states)
     on_path, total = [], []
     for k in range(repeats):
         jax.block_until_ready(states)
@@ -79,8 +78,9 @@ def stage_traffic(states) -> float:
     GPUs and TPUs), over one read and one write of the shards: 1.0 when each shard is read once."""
     shards = own_shards(states)
     accessed = 0.0
-    for program, args in _device.stage_programs(shards).values():
-        cost = program.lower(*args).compile().cost_analysis()
+    args = [jax.ShapeDtypeStruct(s.data.shape, s.data.dtype, sharding=s.data.sharding) for s in shards]
+    for _, members, key in _device._work(shards):
+        cost = _device._program(key).lower([args[k] for k in members]).compile().cost_analysis()
         accessed += (cost if isinstance(cost, dict) else cost[0])["bytes accessed"]
     return accessed / (2 * sum(int(s.data.nbytes) for s in shards))
 

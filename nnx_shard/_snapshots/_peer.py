@@ -14,24 +14,20 @@ from nnx_shard._base import cached
 from nnx_shard._cluster import process_mesh, recorded
 
 ROW_STEP = 2**20  # a row's width is rounded up to this
-# A row travels in parts of at most this many bytes, one ``ppermute`` each (faster than one whole row on CPUs:
-# benchmarks/RESULTS.md).
-PART_BYTES = 2**23
+PART_BYTES = 2**23  # a row travels in parts of at most this, one ``ppermute`` each (faster on CPUs: RESULTS)
 PREFIX = 8  # bytes before the copy in a row: its length
 
 
 def peers(domains: Sequence[str]) -> list[int]:
-    """Where each process sends its copy: a ring over the processes grouped by failure domain.
-
-    The shift is the largest domain's size, so a copy leaves its domain when
-    the domains are equal in size; with one domain it is plain ring order.
+    """Where each process sends its copy: a ring over the processes grouped by failure domain, shifted by
+    the largest domain's size, so that a copy leaves its domain.
 
     >>> peers(["a", "a", "b", "b"]), peers(["h"] * 3)
     ([2, 3, 0, 1], [1, 2, 0])
     """
     n = len(domains)
     order = sorted(range(n), key=lambda i: (domains[i], i))
-    largest = max(sum(1 for d in domains if d == x) for x in set(domains))
+    largest = max(domains.count(x) for x in set(domains))
     shift = largest if largest < n else 1
     dest = [0] * n
     for k, i in enumerate(order):
@@ -40,38 +36,29 @@ def peers(domains: Sequence[str]) -> list[int]:
 
 
 def row_width(nbytes: int) -> int:
-    """The width of the row that carries a copy of up to ``nbytes``: its length first, then the bytes, rounded
-    up to ``ROW_STEP`` (so that the ``ppermute`` compiles once for snapshots of about one size)."""
+    """The width of the row that carries a copy of up to ``nbytes``, rounded up to ``ROW_STEP`` (so that
+    the ``ppermute`` compiles once for snapshots of about one size)."""
     return -(-(PREFIX + nbytes) // ROW_STEP) * ROW_STEP
 
 
-def outgoing(parts: Sequence[np.ndarray], width: int) -> np.ndarray | None:
-    """The row :func:`exchange` sends: the length of ``parts`` (a snapshot file's bytes), then the parts one
-    after the other, padded to ``width``; None when they do not fit (the peer then gets no copy). Made and
-    :func:`place`-d while the steps run, so that the step that sends it only runs the ``ppermute``s."""
+def outgoing(parts: Sequence[np.ndarray], width: int) -> np.ndarray:
+    """The row :func:`exchange` sends: the length of ``parts`` (a snapshot file's bytes; none from a process
+    whose snapshot failed), then the parts, zeros to ``width``; ValueError when they do not fit."""
     size = sum(int(p.size) for p in parts)
     if PREFIX + size > width:
-        return None
-    row = np.empty((1, width), np.uint8)
+        raise ValueError(f"the copy for the peer ({size} bytes) is wider than the {width} bytes agreed")
+    row = np.zeros((1, width), np.uint8)
     row[0, :PREFIX] = np.frombuffer(size.to_bytes(PREFIX, "little"), np.uint8)
     at = PREFIX
     for p in parts:
         row[0, at : at + p.size] = p
         at += p.size
-    row[0, at:] = 0
     return row
 
 
-def empty(width: int) -> np.ndarray:
-    """The row of a process with no copy to send (its snapshot failed): length 0."""
-    return np.zeros((1, width), np.uint8)
-
-
 def place(row: np.ndarray) -> list[Any]:
-    """The row in parts of at most ``PART_BYTES``, each placed on this process's device of the process mesh
-    and waited for, off the step's path: the step that sends them finds them ready on every process, and a
-    CPU then runs each ``ppermute`` inline, in order. With one process, the parts as they are (its own
-    peer)."""
+    """The row in parts of at most ``PART_BYTES``, placed on this process's device and waited for, off the
+    step's path: each ``ppermute``'s input is ready on every process (a CPU runs it inline, in order)."""
     parts = [row[:, a : a + PART_BYTES] for a in range(0, row.shape[1], PART_BYTES)]
     if jax.process_count() == 1:
         return parts
@@ -80,39 +67,33 @@ def place(row: np.ndarray) -> list[Any]:
 
 
 def exchange(parts: Sequence[Any], dest: Sequence[int], step: int) -> list[Any]:
-    """Sends a :func:`place`-d row to process ``dest[me]``, one JAX ``ppermute`` a part (collectives, called
-    by every process in the same order, with rows of the width they agreed); :func:`received` gives what
-    came here."""
+    """Sends a :func:`place`-d row to process ``dest[me]``, one ``ppermute`` a part (collectives every process
+    calls in the same order, with rows of the agreed width); :func:`received` gives what came here."""
     n = jax.process_count()
     if n == 1:
-        return list(parts)  # its own peer: written twice, never changed
+        return list(parts)  # its own peer
     mesh = process_mesh()
     sharding, send = NamedSharding(mesh, PartitionSpec("p")), _ppermute(mesh, tuple(int(d) for d in dest))
     sent = []
     for part in parts:
         whole = jax.make_array_from_single_device_arrays((n, part.shape[1]), sharding, [part])
         with recorded("snapshot.exchange", step, whole.shape):
-            sent.append(send(whole))
+            sent.append(send(whole).addressable_shards[0].data)  # what came here
     return sent
 
 
 @cached(maxsize=None)
 def _ppermute(mesh: Mesh, to: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
-    """The jitted ``ppermute`` from each process ``i`` to ``to[i]`` over the process mesh, made once (built
-    afresh, it would be traced and compiled at each snapshot). The part sent is donated: what comes back
-    takes its buffer, not new pages."""
-    spec = PartitionSpec("p")
+    """The jitted ``ppermute`` from each process ``i`` to ``to[i]``, its input donated (no new pages)."""
 
     def send(x: jax.Array) -> jax.Array:
         return jax.lax.ppermute(x, "p", list(enumerate(to)))
 
+    spec = PartitionSpec("p")
     return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec), donate_argnums=0)
 
 
 def received(sent: Sequence[Any]) -> np.ndarray:
-    """The bytes an :func:`exchange` brought here (waits for them; dispatches nothing); empty when the peer
-    sent none."""
-    parts = [p if isinstance(p, np.ndarray) else np.asarray(p.addressable_shards[0].data) for p in sent]
-    size = int.from_bytes(bytes(parts[0][0, :PREFIX]), "little")
-    row = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    return row[0, PREFIX : PREFIX + size]
+    """The bytes an :func:`exchange` brought here (waits for them); empty when the peer sent none."""
+    row = np.concatenate(sent, axis=1)
+    return row[0, PREFIX : PREFIX + int.from_bytes(bytes(row[0, :PREFIX]), "little")]

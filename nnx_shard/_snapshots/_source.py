@@ -5,19 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nnx_shard._checkpoint import ReadRequest, RestoreOptions, SourceDefaults, register_source
+from nnx_shard._checkpoint import ReadRequest, SourceDefaults, register_source
 from nnx_shard._snapshots._reader import restore_from_snapshots
 from nnx_shard.errors import CheckpointFormatError, NoCheckpointError
 
 
 class Snapshots(SourceDefaults):
-    """The snapshots a previous run of ``previous`` processes left in this process's ``folder`` (None for a
-    process new to the job), newer than step ``after``. A collective: every process reads with its own
-    folder. When none is complete and verified, :meth:`prepare` raises :class:`NoCheckpointError` (every
-    process alike), and the caller restores a checkpoint instead.
-
-    After the read, ``data_states`` holds each old process's data position.
-    """
+    """The snapshots a previous run of ``previous`` processes left in this process's ``folder`` (None: new
+    to the job), newer than step ``after`` (a collective); none complete and verified: :meth:`prepare` raises
+    :class:`NoCheckpointError` on every process. After the read, ``data_states`` holds each one's data."""
 
     collective = True
 
@@ -44,8 +40,6 @@ class Snapshots(SourceDefaults):
         return f"the in-memory snapshots of {self.previous} process{'es' if self.previous != 1 else ''}"
 
 
-def _make(obj: Snapshots, options: RestoreOptions) -> Snapshots:
-    return obj
-
-
-register_source("snapshots", lambda obj: isinstance(obj, Snapshots), _make, before="plain Orbax checkpoint")
+register_source(
+    "snapshots", lambda obj: isinstance(obj, Snapshots), lambda obj, _: obj, before="plain Orbax checkpoint"
+)

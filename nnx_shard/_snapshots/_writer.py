@@ -1,16 +1,7 @@
-"""In-memory snapshots: each process's own shards in host memory, and a copy of one peer's through JAX.
-
-Every ``snapshot_every`` steps each process packs the shards it owns (replica 0 of every addressable shard)
-into one file (``_file``) in its own folder under the snapshot directory (``/dev/shm`` where it exists).
-The same bytes go to one peer on another failure domain (the host name, or ``NNX_SHARD_FAILURE_DOMAIN``)
-through ``ppermute``s (``_peer``), so that a host's death loses no snapshot data.
-
-On CPU devices the step copies the shards straight into the file (before the next step may donate them);
-on GPUs and TPUs it queues each device's copy within its own memory (``_device``). The shares, the header
-and the peer's copy are made in one background thread. Every collective is decided by values all processes
-agreed on: each snapshot starts with one agreement (``[busy, width]``), and the copy goes to the peer a
-fixed number of steps after it. A folder is written as ``.step-N.tmp`` and renamed (complete, or not
-there), reusing the pages of the oldest kept one.
+"""In-memory snapshots: each process's own shards in a file in host memory (``/dev/shm``), and a copy of
+one peer's on another failure domain (the host name, or ``NNX_SHARD_FAILURE_DOMAIN``), sent through JAX.
+The step copies the shards (CPU) or has each device copy its own (``_device``); the rest runs in a thread.
+Each snapshot starts with one agreement of every process, and goes to the peer a fixed number of steps later.
 """
 
 from __future__ import annotations
@@ -18,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -31,8 +23,8 @@ import numpy as np
 
 from nnx_shard._cluster import agree, gather_json
 from nnx_shard._snapshots._device import Staged, Staging
-from nnx_shard._snapshots._file import HEADER, Header, Layouts, Mappings, Shard, copy_in, sum_shares
-from nnx_shard._snapshots._peer import empty, exchange, outgoing, peers, place, received, row_width
+from nnx_shard._snapshots._file import HEADER, Header, Layouts, copy_in, sum_shares
+from nnx_shard._snapshots._peer import exchange, outgoing, peers, place, received, row_width
 from nnx_shard.errors import ConfigError
 
 logger = logging.getLogger("nnx_shard")
@@ -52,11 +44,6 @@ def snapshot_folder(directory: Path, run: int | None, process: int) -> Path:
     return (directory if run is None else directory / f"run-{run}") / f"process-{process}"
 
 
-def _accelerated(shards: Sequence[Shard]) -> bool:
-    """Whether the shards are on GPUs or TPUs (not CPU devices, whose memory is the host's)."""
-    return any(next(iter(s.data.devices())).platform != "cpu" for s in shards)
-
-
 @dataclasses.dataclass
 class _Snapshot:
     """One snapshot being written."""
@@ -66,21 +53,17 @@ class _Snapshot:
     header: Header
     size: int  # where the header starts in its own file
     width: int  # of the rows every process sends its peer, agreed
-    pages: np.ndarray | None = None  # its own file, mapped, when the step copied into it
     staged: Staged | None = None  # the devices' own copies (GPUs, TPUs)
-    parts: list[Any] | None = None  # the copy for the peer, once packed and placed (``place``)
+    pages: np.ndarray | None = None  # its own file, mapped, when the step copied into it
+    parts: list[Any] | None = None  # the copy for the peer, once packed and placed
     exchanged: bool = False
     error: str | None = None
 
 
 class SnapshotWriter:
-    """Writes each snapshot (own + one peer's shards) to this process's folder, off the step's path; keeps
-    the newest ``keep``.
-
-    ``write`` starts a snapshot and returns; with several processes ``poll``, before each step, sends the
-    packed copy to the peer ``EXCHANGE_AFTER`` steps after the snapshot, or 1 when they are less than 3
-    apart (``every``; every process calls both at the same steps). ``wait`` finishes the snapshot in
-    flight; ``skipped`` counts the snapshots not taken because one was still being written somewhere.
+    """Writes each snapshot (own + one peer's shards) to this process's folder; keeps the newest ``keep``.
+    ``poll``, before each step, sends the copy to the peer ``EXCHANGE_AFTER`` steps after its snapshot (1
+    when snapshots are closer, ``every``); ``skipped`` counts the snapshots not taken while one was busy.
 
     >>> import tempfile
     >>> writer = SnapshotWriter(tempfile.mkdtemp())
@@ -100,39 +83,31 @@ class SnapshotWriter:
         discard: Sequence[Path] = (),
         every: int = EXCHANGE_AFTER + 1,
     ):
-        self.directory = Path(directory)
-        self.keep = max(keep, 1)
+        self.directory, self.keep = Path(directory), max(keep, 1)
         self.exchange_after = max(1, min(EXCHANGE_AFTER, every - 1))
         domain = os.environ.get(DOMAIN) or socket.gethostname()
         self.dest = peers([str(d) for d in gather_json(domain, site="snapshot.domains")])
         self.folder = snapshot_folder(self.directory, run, jax.process_index())
         self._discard = list(discard)  # folders of the run before, removed once this run has a snapshot
-        self._newest = max(self._steps(), default=0)  # the newest kept snapshot's step
+        self._newest = max(self._steps(), default=0)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nnx_shard-snapshot")
         self._job: concurrent.futures.Future[None] | None = None  # the background job in flight
-        self._current: _Snapshot | None = None  # the snapshot being written
-        self._maps = Mappings()  # the kept snapshots' files, mapped; each write reuses one
-        self._staging = Staging()
-        self._layouts = Layouts()
+        self._current: _Snapshot | None = None
+        self._maps: dict[int, np.ndarray] = {}  # the kept files' mappings, by inode
+        self._staging, self._layouts = Staging(), Layouts()
         self.skipped = 0
         self.last_bytes = (0, 0)  # the last snapshot's own file and the peer's copy received
 
-    def prepare(self, states: Any) -> None:
-        """Compiles, in the background, what a snapshot of ``states`` runs on the devices (GPUs, TPUs)."""
-        if _accelerated(shards := self._layouts(states)[0]):
-            self._staging.prepare(shards)
-
     def check_space(self, own_bytes: int) -> int:
         """Bytes the kept snapshots need here (own + peer, times ``keep``); a ConfigError on every process
-        when any process's folder lacks them (the processes agree on every one's bytes and free space)."""
+        when any process's folder lacks them (agreed)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         rows = agree("snapshot.space", [own_bytes, shutil.disk_usage(self.directory).free])
-        own, free = rows[:, 0], rows[:, 1]
-        needs = [int((own[p] + own[self.dest.index(p)]) * self.keep) for p in range(len(own))]
+        needs = [int((rows[p, 0] + rows[self.dest.index(p), 0]) * self.keep) for p in range(len(rows))]
         short = [
-            f"process {p} needs {needs[p] / 2**20:.1f} MiB and has {free[p] / 2**20:.1f} MiB free"
-            for p in range(len(own))
-            if free[p] < needs[p]
+            f"process {p} needs {n / 2**20:.1f} MiB and has {rows[p, 1] / 2**20:.1f} MiB free"
+            for p, n in enumerate(needs)
+            if rows[p, 1] < n
         ]
         if short:
             raise ConfigError(
@@ -144,27 +119,18 @@ class SnapshotWriter:
     @property
     def in_flight(self) -> int | None:
         """The step of the snapshot still being written here (None when none is)."""
-        current = self._current
-        if current is None or (current.exchanged and (self._job is None or self._job.done())):
-            return None
-        return current.step
+        now = self._current
+        done = now is None or (now.exchanged and (self._job is None or self._job.done()))
+        return None if done else now.step
 
     def write(self, step: int, states: Any, data_state: Any = None, *, skip_if_busy: bool = False) -> bool:
-        """Starts the snapshot of ``step`` (every process calls it at the same step) and returns.
-
-        The processes first agree, in one collective, on whether a snapshot is still being written on any
-        of them and on the width of the rows their copies travel in. With ``skip_if_busy`` a snapshot still
-        in flight on any process makes this one skipped (False, counted in ``skipped``) on every process;
-        otherwise it is finished first.
-        """
+        """Starts the snapshot of ``step`` (every process at the same step): with ``skip_if_busy`` a snapshot
+        still in flight on any process skips it on every one (False); otherwise that one is finished first."""
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.write", step=step):
-            shards, pieces, size, key = self._layouts(states)
+            shards, pieces, size = self._layouts(states)
             header = Header(step, jax.process_index(), pieces, data_state)
-            votes = agree(
-                "snapshot.agree",
-                [self.in_flight is not None, row_width(size + header.bound(self._layouts.widest))],
-                step=step,
-            )
+            width = row_width(size + header.bound(self._layouts.widest))
+            votes = agree("snapshot.agree", [self.in_flight is not None, width], step=step)
             if skip_if_busy and votes[:, 0].any():
                 self.skipped += 1
                 logger.debug("snapshot of step %d skipped: the last one is still being written", step)
@@ -177,10 +143,9 @@ class SnapshotWriter:
             snapshot = _Snapshot(
                 step, self.folder / f".step-{step}.tmp", header, size, int(votes[:, 1].max())
             )
-            snapshot.staged = self._staging.stage(shards, key) if _accelerated(shards) else None
+            snapshot.staged = self._staging.stage(shards, self._layouts.key)
             if snapshot.staged is None:  # CPU devices, or no room on the devices: copied before the next step
-                self._reuse(snapshot.folder)
-                snapshot.pages = self._maps.pages(snapshot.folder / "own.bin", size)
+                snapshot.pages = self._open(snapshot.folder, size)
                 copy_in(snapshot.pages, pieces, [s.data for s in shards])
             snapshot.exchanged = jax.process_count() == 1  # one process is its own peer
             self._current = snapshot
@@ -189,8 +154,8 @@ class SnapshotWriter:
             return True
 
     def poll(self, step: int) -> None:
-        """Before the step after ``step``, on every process: the snapshot in flight goes to the peer once
-        ``exchange_after`` steps have passed since it, its packing waited for if still under way."""
+        """Before the step after ``step``, on every process: sends the snapshot in flight to the peer once
+        ``exchange_after`` steps have passed since it."""
         current = self._current
         if current is not None and not current.exchanged and step + 1 - current.step >= self.exchange_after:
             self._exchange(current)
@@ -207,17 +172,10 @@ class SnapshotWriter:
 
     def close(self, *, remove: bool, failed: bool = False) -> None:
         """Waits for the last write; ``remove`` frees this process's snapshots (a finished run needs none).
-
-        ``failed``: the ``train()`` call ends with an exception, which the other processes may not share, so
-        no collective is issued: the snapshot in flight is not sent to its peer, and never published.
-        """
-        if failed:
-            self._join()
-        else:
-            self.wait()
+        ``failed`` (an exception the other processes may not share): no collective, nothing more published."""
+        self._join() if failed else self.wait()
         self._pool.shutdown(wait=True)
-        self._current = None
-        self._maps.clear()
+        self._current, self._maps = None, {}
         if remove:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -226,44 +184,42 @@ class SnapshotWriter:
             self._job.result()  # the jobs keep their errors in the snapshot
             self._job = None
 
-    def _reuse(self, tmp: Path) -> None:
-        """Makes ``tmp`` (``.step-N.tmp``) the folder a snapshot is written in: the oldest kept one's (its
-        pages already allocated) renamed when ``keep`` are there, a leftover of a write that died, or new."""
+    def _open(self, tmp: Path, size: int) -> np.ndarray:
+        """Makes the folder ``tmp`` (the oldest kept one when ``keep`` are there, its pages allocated, or new)
+        and maps its own file ``size`` bytes long, the mapping kept for the next write into the file."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        leftovers = [p for p in self.folder.glob(".step-*.tmp") if p != tmp]
+        for leftover in self.folder.glob(".step-*.tmp"):  # of a write that died, or of a failed call
+            shutil.rmtree(leftover, ignore_errors=True)
         steps = self._steps()
-        oldest = [self.folder / f"step-{s}" for s in steps[: max(len(steps) - self.keep + 1, 0)]]
-        reused = (leftovers + oldest)[:1]
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        for extra in leftovers[1:]:
-            shutil.rmtree(extra, ignore_errors=True)
-        if reused:
-            reused[0].rename(tmp)
-        else:
-            tmp.mkdir()
-        (tmp / "own.bin").touch()
+        (self.folder / f"step-{steps[0]}").rename(tmp) if len(steps) >= self.keep else tmp.mkdir()
+        for path in tmp.glob("peer-*.bin"):
+            path.unlink()
+        live = {p.stat().st_ino for p in self.folder.glob("*step-*/own.bin")}  # inodes are reused
+        self._maps = {inode: pages for inode, pages in self._maps.items() if inode in live}
+        (own := tmp / "own.bin").touch()
+        if (inode := own.stat().st_ino) not in self._maps or self._maps[inode].size != size:
+            with open(own, "r+b") as f:  # mapped with its page tables filled: about a copy's cost
+                f.truncate(size)
+                pages = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._maps[inode] = np.frombuffer(pages, np.uint8)  # unmapped with the array
+        return self._maps[inode]
 
     def _steps(self) -> list[int]:
         """The steps of the snapshots kept here, oldest first."""
         return sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
 
     def _seal(self, snapshot: _Snapshot) -> None:
-        """In the background: the devices' copies to the file (GPUs, TPUs), each piece's share, the header,
-        the copy for the peer; with one process, the snapshot is then complete."""
+        """In the background: the devices' copies into the file, the shares, the header, the copy for the
+        peer (with one process, the snapshot is then complete)."""
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.seal", step=snapshot.step):
             try:
-                own = snapshot.folder / "own.bin"
-                if snapshot.pages is None:
-                    self._reuse(snapshot.folder)
-                    snapshot.pages = self._maps.pages(own, snapshot.size)
-                buf, pieces = snapshot.pages, snapshot.header.pieces
+                own, pieces = snapshot.folder / "own.bin", snapshot.header.pieces
                 if snapshot.staged is not None:
-                    snapshot.staged.write_into(buf, pieces)
-                    for p, share in zip(pieces, snapshot.staged.share_values(), strict=True):
-                        p.share = share
-                    snapshot.staged = None
+                    buf = self._open(snapshot.folder, snapshot.size)
+                    snapshot.staged, staged = None, snapshot.staged
+                    staged.write_into(buf, pieces)
                 else:
+                    buf = snapshot.pages
                     sum_shares(buf, pieces)
                 header = snapshot.header.to_bytes()
                 buf[:HEADER] = np.frombuffer(snapshot.size.to_bytes(HEADER, "little"), np.uint8)
@@ -271,14 +227,8 @@ class SnapshotWriter:
                     f.seek(snapshot.size)
                     f.write(header)
                     f.truncate(snapshot.size + len(header))
-                snapshot.pages = None  # the mapping stays in self._maps for the next write
                 if not snapshot.exchanged:
-                    row = outgoing([buf, np.frombuffer(header, np.uint8)], snapshot.width)
-                    if row is None:
-                        raise ValueError(
-                            f"the copy for the peer is wider than the {snapshot.width} bytes agreed"
-                        )
-                    snapshot.parts = place(row)
+                    snapshot.parts = place(outgoing([buf, np.frombuffer(header, np.uint8)], snapshot.width))
                 else:
                     self._publish(snapshot, None)
                 logger.debug("snapshot of step %d packed", snapshot.step)
@@ -286,13 +236,12 @@ class SnapshotWriter:
                 snapshot.error = str(e)
 
     def _exchange(self, snapshot: _Snapshot) -> None:
-        """Sends the packed own file to the peer (a collective, on the main thread; an empty row when the
-        snapshot failed here) and writes what came here in the background."""
+        """Sends the own file to the peer (a collective; an empty row if the snapshot failed here); what came
+        here is written in the background."""
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.exchange", step=snapshot.step):
             self._join()  # the own file is packed and placed
             ok = snapshot.error is None and snapshot.parts is not None
-            parts = snapshot.parts if ok else place(empty(snapshot.width))
-            snapshot.parts = None
+            parts, snapshot.parts = snapshot.parts if ok else place(outgoing([], snapshot.width)), None
             sent = exchange(parts, self.dest, snapshot.step)
             snapshot.exchanged = True
             self._job = self._pool.submit(self._receive, snapshot, sent)
@@ -310,35 +259,17 @@ class SnapshotWriter:
                 snapshot.error = f"the peer's copy: {e}"
 
     def _publish(self, snapshot: _Snapshot, peer: np.ndarray | None) -> None:
-        """Writes the peer's copy (when another process's), renames the folder ``step-N``, drops older
-        ones."""
+        """Writes the peer's copy (another process's), renames the folder ``step-N``, drops older ones."""
         tmp, final = snapshot.folder, self.folder / f"step-{snapshot.step}"
-        stale = set(tmp.glob("peer-*.bin"))
         if peer is not None:
             source = Header.from_bytes(bytes(peer[int.from_bytes(bytes(peer[:HEADER]), "little") :])).process
             if source != jax.process_index():
-                path = tmp / f"peer-{source}.bin"
-                stale.discard(path)
-                path.touch()
-                self._maps.pages(path, int(peer.size))[:] = peer
-        for path in stale:
-            path.unlink()
+                peer.tofile(tmp / f"peer-{source}.bin")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # complete, or not there
-        steps = self._steps()
-        for old in steps[: -self.keep]:
+        for old in self._steps()[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
         for old in self._discard:  # a restart's: the snapshots of the run before are superseded
             shutil.rmtree(old, ignore_errors=True)
         self._discard = []
-        self._premap(snapshot.size, steps[-self.keep :])
         logger.debug("snapshot of step %d complete in %s", snapshot.step, final)
-
-    def _premap(self, size: int, steps: Sequence[int]) -> None:
-        """Maps the oldest kept snapshot's file, which the next write reuses, without changing it, and
-        unmaps the files no longer kept."""
-        folders = [self.folder / f"step-{s}" for s in steps]
-        own = folders[0] / "own.bin" if len(steps) >= self.keep else None
-        if own is not None and own.exists() and own.stat().st_size >= size:
-            self._maps.pages(own, size, resize=False)
-        self._maps.keep([f for folder in folders for f in folder.glob("*.bin")])

@@ -183,7 +183,6 @@ class Recovery:
         run = None if info is None else info.restart
         writer = SnapshotWriter(root, keep=2, run=run, discard=discard, every=cfg.snapshot_every)
         need = writer.check_space(snapshot_own_bytes(self.hooks.states()))
-        writer.prepare(self.hooks.states())  # the devices' programs, compiled while the first steps run
         logger.info(
             "snapshots every %d steps in %s: %.1f MiB of host memory here (own and a peer's shards, 2 kept)",
             cfg.snapshot_every,

@@ -14,14 +14,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_shard as ns
 from nnx_shard._checkpoint import tree_fingerprints
-from nnx_shard._snapshots import SnapshotWriter, _device, _file, _writer, own_shards
+from nnx_shard._snapshots import SnapshotWriter, _device, _file, own_shards
 from tests.helpers import mesh_of
 from tests.snapshots.test_file import assemble, shares
 
 
 def staged_writer(tmp_path, monkeypatch) -> SnapshotWriter:
-    monkeypatch.setattr(_writer, "_accelerated", lambda shards: True)
-    monkeypatch.setattr(_device, "has_room", lambda shards, groups=None: True)
+    monkeypatch.setattr(_device, "has_room", lambda shards, work=None: True)
     return SnapshotWriter(tmp_path / "snap")
 
 
@@ -36,7 +35,6 @@ def test_staged_snapshots_hold_each_steps_values_and_shares(tmp_path, monkeypatc
     }
     monkeypatch.setattr(_device, "CHUNK_BYTES", 3 * 64 * 4)  # w's shards leave in 3 + 3 + 2 rows
     writer = staged_writer(tmp_path, monkeypatch)
-    writer.prepare(states)
     later = jax.tree.map(lambda x: (x * 3 + 1).astype(x.dtype), states)
     expected = {3: jax.tree.map(np.asarray, states), 4: jax.tree.map(np.asarray, later)}
     assert writer.write(3, states)
@@ -69,7 +67,7 @@ def test_staging_needs_room_on_every_device():
             return {"bytes_limit": self.free + 100, "bytes_in_use": 100}
 
     class Data:
-        nbytes = 2**20
+        nbytes, shape, dtype = 2**20, (2**18,), jnp.dtype("float32")
 
         def __init__(self, device):
             self.device = device

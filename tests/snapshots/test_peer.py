@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from nnx_shard._snapshots._peer import (
     PART_BYTES,
     PREFIX,
     ROW_STEP,
-    empty,
     exchange,
     outgoing,
     peers,
@@ -38,8 +38,9 @@ def test_a_row_carries_its_copy_and_length_and_comes_back_as_it_was():
     row = outgoing(parts, width)
     assert row.shape == (1, width) and not row[0, PREFIX + size :].any()
     assert bytes(received(exchange(place(row), [0], step=3))) == b"".join(p.tobytes() for p in parts)
-    assert outgoing(parts, ROW_STEP) is None
-    assert received(exchange(place(empty(width)), [0], step=3)).size == 0
+    with pytest.raises(ValueError, match=f"wider than the {ROW_STEP} bytes agreed"):
+        outgoing(parts, ROW_STEP)
+    assert received(exchange(place(outgoing([], width)), [0], step=3)).size == 0
 
 
 def test_a_row_wider_than_a_part_travels_in_parts_and_comes_back_whole():

@@ -131,10 +131,10 @@ def test_after_a_restore_of_an_older_step_the_left_branchs_snapshots_are_not_kep
     assert sorted(held(folder)) == [6, 8]
     trainer.restore_and_reshard(step=2)
     seen = []
-    real = SnapshotWriter._reuse
+    real = SnapshotWriter._open
     # what is kept when a write starts, before anything of it is written
     monkeypatch.setattr(
-        SnapshotWriter, "_reuse", lambda w, tmp: seen.append(sorted(held(folder))) or real(w, tmp)
+        SnapshotWriter, "_open", lambda w, tmp, size: seen.append(sorted(held(folder))) or real(w, tmp, size)
     )
     live = {}
     trainer.add_callback(lambda step, m, t: live.setdefault(step, tree_fingerprints(storable(t.states)[0])))
