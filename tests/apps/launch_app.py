@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ from tests.apps.trainer_app import (  # noqa: E402
     multiprocess_step_timeout,
 )
 
+STUCK_S = 40  # with --timeline: seconds without a step or phase before the stacks are written
 ROWS = 24  # a global batch every process count here divides (1, 2 or 3 processes)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,6 +217,9 @@ def main() -> None:
         if args.timeline:
             stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]  # one reading of the clock
             os.write(1, f"{stamp} run {restart} process {jax.process_index()}: {what}\n".encode())
+            # every thread's stack on stderr when nothing happens for STUCK_S (before the step timeout's
+            # 60 s; faulthandler's own thread writes it even while another thread holds the GIL)
+            faulthandler.dump_traceback_later(STUCK_S, exit=False)
 
     mark("started")
     RecordingTrainer.path = Path(args.workdir, f"seen-{restart}-{jax.process_index()}.jsonl")

@@ -127,6 +127,10 @@ def test_a_restart_after_a_rollback_resumes_the_branch_not_the_snapshots_of_the_
     # the job's timeline, kept by pytest with the test (make soak records it for the slowest run: one run in
     # about 30 rounds under load has taken 230 s where most take 20-30)
     print("\n".join(line for line in done.stdout.splitlines() if "Gloo" not in line))
+    stuck = done.stderr.find("Timeout (0:00:")  # the app's stack dump of a process with no step for 40 s
+    print(done.stderr[stuck : stuck + 20000] if stuck >= 0 else "no process went 40 s without a step")
+    watchdog = [line for line in done.stderr.splitlines() if line.startswith("nnx_shard: ")]
+    print("\n".join(watchdog) or "no step timeout")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     said = events(done)  # the death named may be process 0's, aborted by the service once its peer was gone
     assert said[1].endswith("; restart 1 on 1 process x 4 devices"), said
