@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from nnx_shard._checkpoint import Checkpointer, WorkdirLock
+from nnx_shard._cluster import gather_json
 from nnx_shard.errors import CheckpointCorruptError, CheckpointExistsError
 
 logger = logging.getLogger("nnx_shard")
@@ -111,7 +112,10 @@ class Lineage:
         if not self._branch_open or self.checkpointer is None:
             return
         self._branch_open = False
-        newer = [s for s in self.checkpointer.all_steps() if s > (self.restored_step or 0)]
+        listed = [s for s in self.checkpointer.all_steps() if s > (self.restored_step or 0)]
+        # every process's listing is taken before process 0 moves any step, and the set-aside (with its
+        # barrier) is decided from one of them: a process listing after the move would see none and skip it
+        newer = gather_json(listed, site="lineage.newer")[0]
         if newer:
             self.checkpointer.set_aside(
                 newer,

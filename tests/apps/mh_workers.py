@@ -263,3 +263,28 @@ def train_in_a_bucket(workdir: str) -> dict:
         "steps": trainer.checkpointer.all_steps(),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, ns.CheckpointWarning)],
     }
+
+
+def branch_with_a_late_listing(workdir: str) -> dict:
+    """Trains to step 4 (saved at 2 and 4), restores step 2 and trains on: the branch's first save sets the
+    left run's step 4 aside. Process 1 lists its steps 1.5 s late, so process 0 (which moves them) has long
+    moved step 4 when process 1 lists, unless the processes agreed on the list first."""
+    from pathlib import Path
+
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    cfg = {**config(workdir, total_steps=6), "save_every": 2, "async_save": False, "barrier_timeout": 20}
+    trainer = RegressionTrainer(cfg)
+    trainer.train(batch_for, steps=4)
+    trainer.restore_and_reshard(step=2)
+    if jax.process_index() == 1:
+        listing = trainer.checkpointer.all_steps
+
+        def late() -> list[int]:
+            time.sleep(1.5)
+            return listing()
+
+        trainer.checkpointer.all_steps = late
+    trainer.train(lambda step: {k: v + 1.0 for k, v in batch_for(step).items()}, steps=2)
+    aside = Path(workdir, "checkpoints.set_aside")
+    return {"steps": trainer.checkpointer.all_steps(), "aside": sorted(p.name for p in aside.glob("*/*"))}

@@ -84,3 +84,18 @@ def test_infer_sharding_agrees_across_processes(multiprocess, n):
     assert all(v["shardings"] == values[0]["shardings"] for v in values)
     assert values[0]["kernel_spec"] == "P(None, 'fsdp')"
     assert all(v["kernel_local_shards"] == 8 // n for v in values)
+
+
+def test_a_branchs_first_save_sets_the_left_steps_aside_on_every_process_even_when_one_lists_late(
+    multiprocess, tmp_path
+):
+    """After a restore of an older step, the branch's first save sets the newer steps aside: process 0
+    moves them, then every process meets at a barrier. A process that lists its steps after the move saw
+    none to set aside and went on to the save's agreement, while process 0 waited at the barrier (a stall
+    of the whole job for the barrier's timeout, then a restart). The list is now agreed first."""
+    results, seconds = multiprocess(
+        "tests.apps.mh_workers:branch_with_a_late_listing", 2, args={"workdir": str(tmp_path / "run")}
+    )
+    first, second = (r.ok() for r in results)
+    assert first == second == {"steps": [2, 4], "aside": ["4"]}, (first, second)
+    assert seconds < 90
