@@ -124,8 +124,8 @@ def test_a_restart_after_a_rollback_resumes_the_branch_not_the_snapshots_of_the_
     workdir = tmp_path / "job"
     extra = ("--snapshot-every", "1", "--rollback", "8:4", "--timeline")
     done = run_job(workdir, 2, 4, "1:7", steps=12, extra=extra)
-    # the job's timeline, kept by pytest with the test (make soak records it for the slowest run: one run in
-    # about 30 rounds under load has taken 230 s where most take 20-30)
+    # the job's timeline, kept by pytest with the test (make soak records it for the slowest run), then the
+    # stacks of a process that went 40 s without a step, and any step timeout (make soak counts them as hung)
     print("\n".join(line for line in done.stdout.splitlines() if "Gloo" not in line))
     stuck = done.stderr.find("Timeout (0:00:")  # the app's stack dump of a process with no step for 40 s
     print(done.stderr[stuck : stuck + 20000] if stuck >= 0 else "no process went 40 s without a step")
