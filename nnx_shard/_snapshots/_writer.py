@@ -216,8 +216,8 @@ class SnapshotWriter:
                 own, pieces = snapshot.folder / "own.bin", snapshot.header.pieces
                 if snapshot.staged is not None:
                     buf = self._open(snapshot.folder, snapshot.size)
-                    snapshot.staged, staged = None, snapshot.staged
-                    staged.write_into(buf, pieces)
+                    snapshot.staged.write_into(buf, pieces)
+                    snapshot.staged = None  # its chunks are freed
                 else:
                     buf = snapshot.pages
                     sum_shares(buf, pieces)
