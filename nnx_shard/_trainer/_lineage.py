@@ -92,7 +92,9 @@ class Lineage:
         self._checked = True
         if self.restored_step is not None:
             return
-        steps = self.checkpointer.all_steps()
+        # decided from process 0's listing, gathered: a process whose listing differs (taken after process 0
+        # set the steps aside, or a lagging view of the storage) must not train on alone or stop alone
+        steps = gather_json(self.checkpointer.all_steps(), site="lineage.fresh")[0]
         if not steps:
             return
         if overwrite:

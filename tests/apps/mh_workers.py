@@ -288,3 +288,33 @@ def branch_with_a_late_listing(workdir: str) -> dict:
     trainer.train(lambda step: {k: v + 1.0 for k, v in batch_for(step).items()}, steps=2)
     aside = Path(workdir, "checkpoints.set_aside")
     return {"steps": trainer.checkpointer.all_steps(), "aside": sorted(p.name for p in aside.glob("*/*"))}
+
+
+def fresh_run_with_another_listing(workdir: str, how: str) -> dict:
+    """A run that saved steps 2 and 4, then a fresh run in the same workdir whose process 1 lists the steps
+    ``how`` the first time: ``"late"`` (1.5 s after process 0, which sets them aside with ``overwrite=True``)
+    or ``"empty"`` (it sees none, as a host whose view of the storage lags would; ``overwrite`` off). Either
+    way the processes must act on one agreed listing: set aside the same steps, or all refuse the workdir."""
+    from pathlib import Path
+
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    cfg = {**config(workdir, total_steps=4), "save_every": 2, "async_save": False, "barrier_timeout": 20}
+    RegressionTrainer(cfg).train(batch_for, steps=4)
+    trainer = RegressionTrainer({**cfg, "resume": "off", "overwrite": how == "late"})
+    if jax.process_index() == 1:
+        listing = trainer.checkpointer.all_steps
+
+        def other() -> list[int]:  # its first listing only
+            trainer.checkpointer.all_steps = listing
+            time.sleep(1.5)
+            steps = listing()  # (the first listing also opens Orbax's manager, on every process)
+            return steps if how == "late" else []
+
+        trainer.checkpointer.all_steps = other
+    try:
+        trainer.train(batch_for, steps=2)
+    except ns.CheckpointExistsError as e:
+        return {"refused": "already holds checkpoints" in str(e)}
+    aside = Path(workdir, "checkpoints.set_aside")
+    return {"steps": trainer.checkpointer.all_steps(), "aside": sorted(p.name for p in aside.glob("*/*"))}

@@ -99,3 +99,19 @@ def test_a_branchs_first_save_sets_the_left_steps_aside_on_every_process_even_wh
     first, second = (r.ok() for r in results)
     assert first == second == {"steps": [2, 4], "aside": ["4"]}, (first, second)
     assert seconds < 90
+
+
+@pytest.mark.parametrize("how", ["late", "empty"])
+def test_a_fresh_run_acts_on_one_listing_of_the_workdirs_steps_on_every_process(multiprocess, tmp_path, how):
+    """A fresh run in a workdir holding steps sets them aside (``overwrite=True``) or refuses the workdir,
+    decided from one listing every process agreed on: process 1 listing after process 0 moved the steps, or
+    seeing none at all, must not leave it training alone while process 0 waits or has stopped."""
+    results, seconds = multiprocess(
+        "tests.apps.mh_workers:fresh_run_with_another_listing",
+        2,
+        args={"workdir": str(tmp_path / "run"), "how": how},
+    )
+    first, second = (r.ok() for r in results)
+    expected = {"steps": [2], "aside": ["2", "4"]} if how == "late" else {"refused": True}
+    assert first == second == expected, (first, second)
+    assert seconds < 90
