@@ -318,3 +318,26 @@ def fresh_run_with_another_listing(workdir: str, how: str) -> dict:
         return {"refused": "already holds checkpoints" in str(e)}
     aside = Path(workdir, "checkpoints.set_aside")
     return {"steps": trainer.checkpointer.all_steps(), "aside": sorted(p.name for p in aside.glob("*/*"))}
+
+
+def resume_past_one_hosts_damage(workdir: str) -> dict:
+    """Trains to step 4 (saved at 2 and 4); process 1's own data file of step 4 is cut in half; a new run
+    with ``resume="auto"`` must fall back to step 2 on every process alike."""
+    from pathlib import Path
+
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    cfg = {**config(workdir, total_steps=6), "save_every": 2, "async_save": False, "barrier_timeout": 20}
+    RegressionTrainer(cfg).train(batch_for, steps=4)
+    ns.barrier_sync("trained", timeout=60)
+    if jax.process_index() == 1:
+        data = max(
+            Path(workdir, "checkpoints", "4", "state", "ocdbt.process_1", "d").iterdir(),
+            key=lambda p: p.stat().st_size,
+        )
+        os.truncate(data, data.stat().st_size // 2)
+    ns.barrier_sync("damaged", timeout=60)
+    trainer = RegressionTrainer({**cfg, "resume": "auto"})
+    trainer.train(batch_for, steps=1)
+    aside = Path(workdir, "checkpoints.set_aside")
+    return {"restored": trainer.restored_step, "aside": sorted(p.name for p in aside.glob("*/*"))}

@@ -115,3 +115,16 @@ def test_a_fresh_run_acts_on_one_listing_of_the_workdirs_steps_on_every_process(
     expected = {"steps": [2], "aside": ["2", "4"]} if how == "late" else {"refused": True}
     assert first == second == expected, (first, second)
     assert seconds < 90
+
+
+def test_resume_auto_falls_back_alike_on_every_process_when_one_hosts_file_of_the_newest_step_is_damaged(
+    multiprocess, tmp_path
+):
+    """Each process writes its own data files: process 1's file of the newest step cut in half is seen by
+    every process's check of the step, so all restore the step before and set the damaged one aside."""
+    results, seconds = multiprocess(
+        "tests.apps.mh_workers:resume_past_one_hosts_damage", 2, args={"workdir": str(tmp_path / "run")}
+    )
+    first, second = (r.ok() for r in results)
+    assert first == second == {"restored": 2, "aside": ["4"]}, (first, second)
+    assert seconds < 90
