@@ -59,7 +59,8 @@ class Lineage:
         if self.checkpointer is None:
             return
         failed: list[tuple[int, CheckpointCorruptError]] = []
-        for step in reversed(self.checkpointer.all_steps()):
+        # process 0's listing, gathered: each step tried is a restore every process takes part in
+        for step in reversed(gather_json(self.checkpointer.all_steps(), site="lineage.resume")[0]):
             if step <= after:
                 break
             try:

@@ -293,15 +293,17 @@ def branch_with_a_late_listing(workdir: str) -> dict:
 def fresh_run_with_another_listing(workdir: str, how: str) -> dict:
     """A run that saved steps 2 and 4, then a fresh run in the same workdir whose process 1 lists the steps
     ``how`` the first time: ``"late"`` (1.5 s after process 0, which sets them aside with ``overwrite=True``)
-    or ``"empty"`` (it sees none, as a host whose view of the storage lags would; ``overwrite`` off). Either
-    way the processes must act on one agreed listing: set aside the same steps, or all refuse the workdir."""
+    or ``"empty"`` (it sees none, as a host whose view of the storage lags would; ``overwrite`` off), or
+    ``"resume"`` (sees none, and the run has ``resume="auto"``). Either way the processes must act on one
+    agreed listing: set aside the same steps, all refuse the workdir, or all restore the same step."""
     from pathlib import Path
 
     from tests.apps.trainer_app import RegressionTrainer, batch_for, config
 
     cfg = {**config(workdir, total_steps=4), "save_every": 2, "async_save": False, "barrier_timeout": 20}
     RegressionTrainer(cfg).train(batch_for, steps=4)
-    trainer = RegressionTrainer({**cfg, "resume": "off", "overwrite": how == "late"})
+    resume = "auto" if how == "resume" else "off"
+    trainer = RegressionTrainer({**cfg, "resume": resume, "overwrite": how == "late"})
     if jax.process_index() == 1:
         listing = trainer.checkpointer.all_steps
 
@@ -317,7 +319,8 @@ def fresh_run_with_another_listing(workdir: str, how: str) -> dict:
     except ns.CheckpointExistsError as e:
         return {"refused": "already holds checkpoints" in str(e)}
     aside = Path(workdir, "checkpoints.set_aside")
-    return {"steps": trainer.checkpointer.all_steps(), "aside": sorted(p.name for p in aside.glob("*/*"))}
+    listed = {"steps": trainer.checkpointer.all_steps(), "aside": sorted(p.name for p in aside.glob("*/*"))}
+    return {**listed, "restored": trainer.restored_step}
 
 
 def resume_past_one_hosts_damage(workdir: str) -> dict:
