@@ -10,13 +10,7 @@ from nnx_shard._checkpoint._fingerprint_shares import (
     word_shape,
     word_strides,
 )
-from nnx_shard._checkpoint._format import (
-    abstract_target,
-    leaf_paths,
-    map_leaves,
-    storable,
-    tree_fingerprints,
-)
+from nnx_shard._checkpoint._format import abstract_target, leaf_paths, map_leaves, storable, tree_fingerprints
 from nnx_shard._checkpoint._restore import restore_onto
 from nnx_shard._checkpoint._restore_options import RestoreOptions, RestoreReport, renamed
 

@@ -40,11 +40,7 @@ from nnx_shard._checkpoint._reads import CheckpointReader, registry
 from nnx_shard._checkpoint._workdir import set_aside_folder
 from nnx_shard._cluster import agree, barrier_sync
 from nnx_shard._version import __version__
-from nnx_shard.errors import (
-    CheckpointError,
-    CheckpointSaveError,
-    CheckpointWarning,
-)
+from nnx_shard.errors import CheckpointError, CheckpointSaveError, CheckpointWarning
 
 logger = logging.getLogger("nnx_shard")
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

@@ -1,18 +1,19 @@
-"""nnx_shard's own checkpoints as a restore's source: a :class:`Checkpointer`, or a directory in its
-layout."""
+"""nnx_shard's own checkpoints as a restore's source: a :class:`Checkpointer` or a folder in its layout."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import jax
 from etils import epath
 
 from nnx_shard._checkpoint._checkpointer import Checkpointer
 from nnx_shard._checkpoint._plain import has_steps, is_nnx_shard
 from nnx_shard._checkpoint._restore_options import RestoreOptions
 from nnx_shard._checkpoint._sources import ReadRequest, SourceDefaults, register_source
-from nnx_shard.errors import CheckpointFormatError
+from nnx_shard._cluster import agree
+from nnx_shard.errors import CheckpointFormatError, NoCheckpointError
 
 
 class CheckpointSource(SourceDefaults):
@@ -27,8 +28,17 @@ class CheckpointSource(SourceDefaults):
         self.step: int | None = None
 
     def prepare(self, request: ReadRequest) -> None:
-        expected = request.expected
-        self.step = self.checkpointer.validate(request.step, expected, items=sorted(expected))
+        expected, step = request.expected, request.step
+        if step is None and jax.process_count() > 1:  # the newest step every process lists (a view may lag)
+            latest = self.checkpointer.latest_step()
+            newest = agree("restore.newest", [-1 if latest is None else latest])[:, 0]
+            if newest.min() < 0:
+                missing = [p for p, s in enumerate(newest) if s < 0]
+                raise NoCheckpointError(
+                    f"no checkpoint in {self.checkpointer.directory}: processes {missing} list none"
+                )
+            step = int(newest.min())
+        self.step = self.checkpointer.validate(step, expected, items=sorted(expected))
         if request.options.free_live:
             self.checkpointer.metadata(self.step)  # readable, before anything live is freed
 

@@ -344,3 +344,21 @@ def resume_past_one_hosts_damage(workdir: str) -> dict:
     trainer.train(batch_for, steps=1)
     aside = Path(workdir, "checkpoints.set_aside")
     return {"restored": trainer.restored_step, "aside": sorted(p.name for p in aside.glob("*/*"))}
+
+
+def restore_the_newest_with_a_lagging_listing(workdir: str) -> dict:
+    """Trains to step 4 (saved at 2 and 4); then, while process 1's listing lags (it lists step 2 only, as a
+    host whose view of the storage lags would), every process restores "the newest step": the newest one
+    every process lists, the same on each."""
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config, digest
+
+    cfg = {**config(workdir, total_steps=4), "save_every": 2, "async_save": False}
+    trainer = RegressionTrainer(cfg)
+    trainer.train(batch_for, steps=4)
+    reads = trainer.checkpointer._reads  # every listing of the checkpointer's goes through its reader's
+    listing = reads.all_steps
+    if jax.process_index() == 1:
+        reads.all_steps = lambda: [s for s in listing() if s < 4]
+    report = trainer.restore_and_reshard()
+    reads.all_steps = listing
+    return {"restored": report.step, "digest": digest(trainer)}

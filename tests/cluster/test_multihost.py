@@ -133,3 +133,17 @@ def test_resume_auto_falls_back_alike_on_every_process_when_one_hosts_file_of_th
     first, second = (r.ok() for r in results)
     assert first == second == {"restored": 2, "aside": ["4"]}, (first, second)
     assert seconds < 90
+
+
+def test_a_restore_of_the_newest_step_reads_the_one_every_process_lists(multiprocess, tmp_path):
+    """``restore_and_reshard()`` with no step, while process 1's listing lags behind process 0's (it lists
+    step 2, process 0 steps 2 and 4): every process restores step 2, never each its own newest (each would
+    read its shards of another step, and the mix fails verification: a sound step 4 named corrupt)."""
+    results, seconds = multiprocess(
+        "tests.apps.mh_workers:restore_the_newest_with_a_lagging_listing",
+        2,
+        args={"workdir": str(tmp_path / "run")},
+    )
+    first, second = (r.ok() for r in results)
+    assert first == second and first["restored"] == 2, (first, second)
+    assert seconds < 90
