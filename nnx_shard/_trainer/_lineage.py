@@ -59,8 +59,9 @@ class Lineage:
         if self.checkpointer is None:
             return
         failed: list[tuple[int, CheckpointCorruptError]] = []
-        # process 0's listing, gathered: each step tried is a restore every process takes part in
-        for step in reversed(gather_json(self.checkpointer.all_steps(), site="lineage.resume")[0]):
+        # the steps every process lists (a host's view may lag): each one tried is a restore of every process
+        listings = gather_json(self.checkpointer.all_steps(), site="lineage.resume")
+        for step in sorted(set.intersection(*map(set, listings)), reverse=True):
             if step <= after:
                 break
             try:

@@ -294,8 +294,8 @@ def fresh_run_with_another_listing(workdir: str, how: str) -> dict:
     """A run that saved steps 2 and 4, then a fresh run in the same workdir whose process 1 lists the steps
     ``how`` the first time: ``"late"`` (1.5 s after process 0, which sets them aside with ``overwrite=True``)
     or ``"empty"`` (it sees none, as a host whose view of the storage lags would; ``overwrite`` off), or
-    ``"resume"`` (sees none, and the run has ``resume="auto"``). Either way the processes must act on one
-    agreed listing: set aside the same steps, all refuse the workdir, or all restore the same step."""
+    ``"resume"`` (it sees step 2 only, and the run has ``resume="auto"``). Either way the processes must act
+    on agreed listings: set aside the same steps, all refuse the workdir, or all restore the same step."""
     from pathlib import Path
 
     from tests.apps.trainer_app import RegressionTrainer, batch_for, config
@@ -311,7 +311,7 @@ def fresh_run_with_another_listing(workdir: str, how: str) -> dict:
             trainer.checkpointer.all_steps = listing
             time.sleep(1.5)
             steps = listing()  # (the first listing also opens Orbax's manager, on every process)
-            return steps if how == "late" else []
+            return {"late": steps, "empty": [], "resume": [s for s in steps if s < 4]}[how]
 
         trainer.checkpointer.all_steps = other
     try:
