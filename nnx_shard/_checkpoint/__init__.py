@@ -15,7 +15,7 @@ from nnx_shard._checkpoint._restore import restore_onto
 from nnx_shard._checkpoint._restore_options import RestoreOptions, RestoreReport, renamed
 
 # the kinds of source, registered in the order a restore asks them (a path no other takes is plain Orbax's)
-from nnx_shard._checkpoint._source_checkpoint import CheckpointSource  # isort: skip
+from nnx_shard._checkpoint._source_checkpoint import CheckpointSource, newest_listed  # isort: skip
 from nnx_shard._checkpoint._source_safetensors import SafetensorsFolder  # isort: skip
 from nnx_shard._checkpoint._source_loaded import LoadedState, check_keys  # isort: skip
 from nnx_shard._checkpoint._source_orbax import OrbaxSource  # isort: skip
@@ -50,6 +50,7 @@ __all__ = [
     "check_keys",
     "leaf_paths",
     "map_leaves",
+    "newest_listed",
     "quiet",
     "register_source",
     "registered",

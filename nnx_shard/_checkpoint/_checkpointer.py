@@ -141,8 +141,7 @@ class Checkpointer:
 
     @property
     def manager(self) -> ocp.CheckpointManager:
-        """Orbax's CheckpointManager, opened on first use (a missing directory is never created by
-        reading)."""
+        """Orbax's CheckpointManager, opened on first use (reading never creates a missing directory)."""
         if self._manager is None:
             if self._closed:
                 raise CheckpointError(f"the Checkpointer of {self.directory} is closed; open a new one.")

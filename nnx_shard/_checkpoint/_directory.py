@@ -93,8 +93,7 @@ def _remove(path: Any, tries: int = 20) -> None:
 
 
 def remove_unfinished(directory: Any, step: int) -> None:
-    """Removes ``step``'s folder when Orbax never finalised it (no commit marker): a restore must not pick
-    it."""
+    """Removes ``step``'s folder when Orbax never finalised it (no commit marker): no restore may pick it."""
     folder = directory / str(step)
     if jax.process_index() == 0 and folder.exists() and not (folder / "_CHECKPOINT_METADATA").exists():
         _remove(folder)

@@ -1,5 +1,4 @@
-"""What a checkpoint holds: its metadata, typed PRNG keys stored as key data, fingerprints, its structure
-checked."""
+"""What a checkpoint holds: its metadata, PRNG keys stored as key data, fingerprints, a structure check."""
 
 from __future__ import annotations
 

@@ -55,8 +55,7 @@ JSON_FILES = ("_CHECKPOINT_METADATA", f"state/{TREE_METADATA}", "state/_sharding
 
 
 def unreadable_json(step_dir: Any) -> list[str]:
-    """The JSON files Orbax reads from a step that are missing, empty or do not parse (for naming a decode
-    error)."""
+    """The JSON files of a step Orbax reads that are missing, empty or unparsable (to name a decode error)."""
     bad = []
     candidates = [step_dir / name for name in JSON_FILES]
     metadatas = step_dir / "state" / "array_metadatas"

@@ -79,8 +79,7 @@ def has_steps(directory: Any) -> bool:
 
 
 def is_nnx_shard(directory: Any) -> bool:
-    """True for nnx_shard's own layout (steps with ``state`` and ``meta``), or where no checkpoint of any kind
-    is."""
+    """True for nnx_shard's own layout (steps with ``state`` and ``meta``), or where no checkpoint is."""
     directory = epath.Path(directory)
     if not directory.exists() or not directory.is_dir():
         return True

@@ -1,5 +1,4 @@
-"""Reading a checkpoint: its steps' metadata and structure, checked, then read straight into target
-shardings."""
+"""Reading a checkpoint: its steps' metadata and structure checked, then read into target shardings."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class CheckpointReader:
         return self._saved_items[step]
 
     def _saved_tree(self, step: int) -> Any:
-        """The saved state's tree metadata (``state/_METADATA``), read as a storage fault would be
-        reported."""
+        """The saved state's tree metadata (``state/_METADATA``), its faults reported as a read's."""
         with self.reading(step):
             items = self.manager.metadata(step).item_metadata
             tree = items.get("state") if items is not None else None

@@ -29,15 +29,7 @@ class CheckpointSource(SourceDefaults):
 
     def prepare(self, request: ReadRequest) -> None:
         expected, step = request.expected, request.step
-        if step is None and jax.process_count() > 1:  # the newest step every process lists (a view may lag)
-            latest = self.checkpointer.latest_step()
-            newest = agree("restore.newest", [-1 if latest is None else latest])[:, 0]
-            if newest.min() < 0:
-                missing = [p for p, s in enumerate(newest) if s < 0]
-                raise NoCheckpointError(
-                    f"no checkpoint in {self.checkpointer.directory}: processes {missing} list none"
-                )
-            step = int(newest.min())
+        step = newest_listed(self.checkpointer) if step is None else step
         self.step = self.checkpointer.validate(step, expected, items=sorted(expected))
         if request.options.free_live:
             self.checkpointer.metadata(self.step)  # readable, before anything live is freed
@@ -52,6 +44,19 @@ class CheckpointSource(SourceDefaults):
 
     def complete(self, restored: list[str]) -> bool:
         return sorted(restored) == self.checkpointer.items(self.step)
+
+
+def newest_listed(checkpointer: Checkpointer) -> int | None:
+    """The newest step every process lists (a host's view of the storage may lag), agreed with several
+    processes (a collective); None where none lists one. Raises NoCheckpointError when only some list none."""
+    latest = checkpointer.latest_step()
+    if jax.process_count() == 1:
+        return latest
+    newest = agree("restore.newest", [0 if latest is None else latest + 1])[:, 0] - 1
+    missing = [p for p, s in enumerate(newest) if s < 0]
+    if 0 < len(missing) < len(newest):  # none anywhere: validate's error says where checkpoints are
+        raise NoCheckpointError(f"no checkpoint in {checkpointer.directory}: processes {missing} list none")
+    return None if missing else int(newest.min())
 
 
 def _matches(obj: Any) -> bool:

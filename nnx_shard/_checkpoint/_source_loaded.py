@@ -17,8 +17,7 @@ from nnx_shard.errors import CheckpointError, CheckpointFormatError
 
 
 def check_keys(given: Mapping[str, Any], objects: Any, message: str) -> None:
-    """Raises ``CheckpointError(message)`` (with ``{unknown}`` and ``{objects}``) for keys naming no
-    object."""
+    """Raises ``CheckpointError(message)`` (``{unknown}``, ``{objects}`` filled) for keys naming no object."""
     unknown = sorted(set(given) - set(objects))
     if unknown:
         raise CheckpointError(message.format(unknown=unknown, objects=sorted(objects)))

@@ -247,7 +247,6 @@ class WorkdirLock:
 
 
 def set_aside_folder(directory: Any, kind: str) -> Any:
-    """Where steps moved out of ``directory`` go: ``<directory>.set_aside/<kind>-<UTC time>``, never read by
-    restores."""
+    """Where steps moved out of ``directory`` go, never read by restores: ``<dir>.set_aside/<kind>-<UTC>``."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     return directory.parent / f"{directory.name}.set_aside" / f"{kind}-{stamp}"

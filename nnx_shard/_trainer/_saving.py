@@ -12,7 +12,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_shard._base import MODEL
-from nnx_shard._checkpoint import Checkpointer, RestoreOptions, RestoreReport, storable, tree_fingerprints
+from nnx_shard._checkpoint import (
+    Checkpointer,
+    RestoreOptions,
+    RestoreReport,
+    newest_listed,
+    storable,
+    tree_fingerprints,
+)
 from nnx_shard._live import ShardingHooks, restore_options
 from nnx_shard._trainer._data import gather_states
 from nnx_shard._trainer._finetune import frozen_filter
@@ -154,6 +161,8 @@ class Checkpoints:
         then taken) through the hooks, as :meth:`nnx_shard.Trainer.restore_and_reshard` describes."""
         start, own = time.perf_counter(), source is None
         checkpointer = self.checkpointer if own else None
+        if checkpointer is not None and step is None:  # the newest step every process lists, agreed once
+            step = newest_listed(checkpointer)
         model = self.hooks.states()[MODEL]
         opts = trainer_options(self.config, checkpointer, step, model, wrt, options, keywords)
         report = self.hooks.restore_and_reshard(checkpointer if own else source, step=step, options=opts)

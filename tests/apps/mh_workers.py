@@ -362,3 +362,22 @@ def restore_the_newest_with_a_lagging_listing(workdir: str) -> dict:
     report = trainer.restore_and_reshard()
     reads.all_steps = listing
     return {"restored": report.step, "digest": digest(trainer)}
+
+
+def restore_the_newest_where_a_process_lists_none(workdir: str, who: str) -> dict:
+    """``restore_and_reshard()`` with no step where ``who`` lists no step: ``"all"`` (nothing was saved) or
+    ``"one"`` (steps 2 and 4 saved, process 1's listing lags and shows none); returns each one's error."""
+    from tests.apps.trainer_app import RegressionTrainer, batch_for, config
+
+    trainer = RegressionTrainer({**config(workdir, total_steps=4), "save_every": 2, "async_save": False})
+    if who == "one":
+        trainer.train(batch_for, steps=4)
+        if jax.process_index() == 1:
+            trainer.checkpointer._reads.all_steps = lambda: []  # the listing every read goes through
+    else:
+        trainer.init()
+    try:
+        trainer.restore_and_reshard()
+    except ns.NoCheckpointError as e:
+        return {"error": str(e).split(str(trainer.checkpointer.directory))[-1]}
+    return {"error": None}

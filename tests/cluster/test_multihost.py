@@ -147,3 +147,21 @@ def test_a_restore_of_the_newest_step_reads_the_one_every_process_lists(multipro
     first, second = (r.ok() for r in results)
     assert first == second and first["restored"] == 2, (first, second)
     assert seconds < 90
+
+
+@pytest.mark.parametrize("who", ["all", "one"])
+def test_a_restore_of_the_newest_step_where_a_process_lists_none_is_one_error_on_every_process(
+    multiprocess, tmp_path, who
+):
+    """Nothing saved: every process raises the error a single process does; steps saved but process 1
+    listing none: every process raises ``NoCheckpointError`` naming it, none reads alone."""
+    results, seconds = multiprocess(
+        "tests.apps.mh_workers:restore_the_newest_where_a_process_lists_none",
+        2,
+        args={"workdir": str(tmp_path / "run"), "who": who},
+    )
+    first, second = (r.ok() for r in results)
+    assert first == second, (first, second)
+    expected = "save one first" if who == "all" else "processes [1] list none"
+    assert expected in first["error"], first
+    assert seconds < 90
