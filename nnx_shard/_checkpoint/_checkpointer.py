@@ -339,7 +339,8 @@ class Checkpointer:
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The metadata saved with ``step`` (mesh, devices, processes, strategy, version; the state's
-        structure, its items and leaf shapes, that restores check without opening every array)."""
+        structure, its items and leaf shapes, that restores check without opening every array). With several
+        processes every process calls it: Orbax's read of it ends in a barrier of all of them."""
         return self._reads.metadata(step)
 
     def items(self, step: int) -> list[str]:
