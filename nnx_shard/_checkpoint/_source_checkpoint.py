@@ -47,11 +47,11 @@ class CheckpointSource(SourceDefaults):
 
 
 def newest_listed(checkpointer: Checkpointer) -> int | None:
-    """The newest step every process lists (a host's view of the storage may lag), agreed with several
-    processes (a collective); None where none lists one. Raises NoCheckpointError when only some list none."""
-    latest = checkpointer.latest_step()
+    """The newest step every process lists (a host's view may lag), agreed (a collective); None where none
+    does, or with one process (its own listing decides). NoCheckpointError when only some list none."""
     if jax.process_count() == 1:
-        return latest
+        return None
+    latest = checkpointer.latest_step()
     newest = agree("restore.newest", [0 if latest is None else latest + 1])[:, 0] - 1
     missing = [p for p, s in enumerate(newest) if s < 0]
     if 0 < len(missing) < len(newest):  # none anywhere: validate's error says where checkpoints are

@@ -161,7 +161,7 @@ class Checkpoints:
         then taken) through the hooks, as :meth:`nnx_shard.Trainer.restore_and_reshard` describes."""
         start, own = time.perf_counter(), source is None
         checkpointer = self.checkpointer if own else None
-        if checkpointer is not None and step is None:  # the newest step every process lists, agreed once
+        if checkpointer is not None and step is None:  # several processes: the newest all list, agreed once
             step = newest_listed(checkpointer)
         model = self.hooks.states()[MODEL]
         opts = trainer_options(self.config, checkpointer, step, model, wrt, options, keywords)
