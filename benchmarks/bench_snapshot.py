@@ -23,7 +23,8 @@ With several processes each snapshot also goes to a peer process. The ``two_proc
 job of 2 processes x 2 CPU devices (``nnx_shard.cluster.launch``) whose steps leave the host idle, as
 on a GPU (``time.sleep``; the CPUs here are too few for two processes' real steps to say anything),
 with a snapshot every 10 steps or none in alternating rounds: the ratio of the two, and what the steps
-that start a snapshot (``write``) and send its copy to the peer (``poll``) took, timed around the calls.
+that start a snapshot (``write``) and send its copy to the peer (``poll``; on CPU devices it hands the
+copy to the writer's thread) took, timed around the calls.
 
     python benchmarks/bench_snapshot.py [--smoke]
 """

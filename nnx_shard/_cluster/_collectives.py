@@ -11,7 +11,10 @@ the same rows), naming the site each process was at, never a silent answer.
 The flight recorder keeps each process's last collectives (site, sequence,
 step, shape, when it entered and left), as PyTorch's does for NCCL: a mismatch
 or a step timeout writes them to a file beside the error, and the error names
-the first collective at which the processes' records part.
+the first collective at which the processes' records part. Collectives issued
+from a thread of their own (a snapshot's copy to its peer) are numbered in a
+stream of their own, so that the main thread's numbers agree across processes
+however the two threads interleave.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ WIDTH = 16  # int32 entries in every small allgather's row
 HEAD = 4  # site, sequence, step, how many values
 MAX_VALUES = (WIDTH - HEAD) // 2  # each value travels as two 31-bit halves (int32 without jax_enable_x64)
 FLIGHT_DIR = "NNX_SHARD_FLIGHT_DIR"  # where flight records go (the temp folder by default)
+MAIN = "main"  # the stream of the collectives the caller's thread issues
 _SITES: dict[int, str] = {}
 
 
@@ -58,40 +62,43 @@ class Entry:
     shape: tuple[int, ...]
     entered: float
     left: float | None = None
+    stream: str = MAIN
 
     def named(self) -> str:
-        return f"#{self.sequence} {self.site!r} at step {self.step}"
+        on = "" if self.stream == MAIN else f" on the {self.stream} thread"
+        return f"#{self.sequence} {self.site!r} at step {self.step}{on}"
 
 
 class FlightRecorder:
-    """This process's last ``size`` collectives, and optionally a journal of every one.
+    """This process's last ``size`` collectives, and optionally a journal of every one, by stream.
 
     >>> recorder = FlightRecorder(size=2)
     >>> with recorder.entered("demo", 3, (2,)):
     ...     pass
-    >>> [(e.site, e.step, e.shape) for e in recorder.entries()], recorder.waiting()
-    ([('demo', 3, (2,))], None)
+    >>> [(e.site, e.step, e.shape, e.sequence) for e in recorder.entries()], recorder.waiting()
+    ([('demo', 3, (2,), 0)], None)
     """
 
     def __init__(self, size: int = 64):
         self._entries: collections.deque[Entry] = collections.deque(maxlen=size)
         self._lock = threading.Lock()
-        self.sequence = 0  # collectives issued so far
-        self.journal: list[tuple[str, int, tuple[int, ...]]] | None = None  # (site, step, shape) of each
+        self._issued: collections.Counter[str] = collections.Counter()  # collectives so far, by stream
+        self.journal: dict[str, list[tuple[str, int, tuple[int, ...]]]] | None = None
 
     def keep_journal(self) -> None:
-        """From now on, every collective's ``(site, step, shape)`` is appended to :attr:`journal` (tests)."""
-        self.journal = []
+        """From now on, each collective's ``(site, step, shape)`` goes to ``journal[stream]`` (tests)."""
+        self.journal = {}
 
     @contextlib.contextmanager
-    def entered(self, site: str, step: int, shape: tuple[int, ...]) -> Iterator[Entry]:
-        """Records a collective from its start to its end (``left`` stays None while it waits)."""
+    def entered(self, site: str, step: int, shape: tuple[int, ...], stream: str = MAIN) -> Iterator[Entry]:
+        """Records a collective from its start to its end (``left`` stays None while it waits); ``stream``
+        numbers the collectives of a thread of their own apart from the main thread's."""
         with self._lock:
-            entry = Entry(site, self.sequence, int(step), tuple(shape), time.time())
-            self.sequence += 1
+            entry = Entry(site, self._issued[stream], int(step), tuple(shape), time.time(), stream=stream)
+            self._issued[stream] += 1
             self._entries.append(entry)
             if self.journal is not None:
-                self.journal.append((site, int(step), tuple(shape)))
+                self.journal.setdefault(stream, []).append((site, int(step), tuple(shape)))
         yield entry
         entry.left = time.time()
 
@@ -100,9 +107,9 @@ class FlightRecorder:
             return list(self._entries)
 
     def waiting(self) -> Entry | None:
-        """The collective this process is inside now, if any."""
-        entries = self.entries()
-        return entries[-1] if entries and entries[-1].left is None else None
+        """The collective this process is inside now, if any: the main thread's, else another stream's."""
+        inside = [e for e in self.entries() if e.left is None]
+        return next((e for e in reversed(inside) if e.stream == MAIN), inside[-1] if inside else None)
 
     def as_json(self) -> list[dict[str, Any]]:
         return [dataclasses.asdict(e) for e in self.entries()]
@@ -125,9 +132,9 @@ class FlightRecorder:
 RECORDER = FlightRecorder()
 
 
-def recorded(site: str, step: int, shape: Sequence[int]) -> Any:
+def recorded(site: str, step: int, shape: Sequence[int], stream: str = MAIN) -> Any:
     """A context that records a collective issued some other way (a ``ppermute``, an array allgather)."""
-    return RECORDER.entered(site, step, tuple(shape))
+    return RECORDER.entered(site, step, tuple(shape), stream)
 
 
 def _halves(values: Sequence[int]) -> list[int]:
@@ -191,22 +198,25 @@ def first_divergence(records: dict[int, list[dict[str, Any]]]) -> str:
     >>> first_divergence({0: a, 1: b})
     "collective #1: process 0 at 'y' (step 2, waiting), process 1 at 'z' (step 2, waiting)"
     """
-    by_seq: dict[int, dict[int, dict[str, Any]]] = {}
+    by_key: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     for p, entries in records.items():
         for e in entries:
-            by_seq.setdefault(int(e["sequence"]), {})[p] = e
-    kept = [min((int(e["sequence"]) for e in entries), default=0) for entries in records.values()]
-    for seq in [s for s in sorted(by_seq) if s >= max(kept, default=0)]:  # what every record still holds
-        seen = by_seq[seq]
-        if len({(e["site"], e["step"]) for e in seen.values()}) == 1 and len(seen) == len(records):
-            continue
-        parts = []
-        for p in sorted(records):
-            e = seen.get(p)
-            if e is None:
-                parts.append(f"process {p} never issued it")
-            else:
-                state = "waiting" if e["left"] is None else "done"
-                parts.append(f"process {p} at {e['site']!r} (step {e['step']}, {state})")
-        return f"collective #{seq}: " + ", ".join(parts)
+            by_key.setdefault((e.get("stream", MAIN), int(e["sequence"])), {})[p] = e
+    for stream in sorted({s for s, _ in by_key}, key=lambda s: (s != MAIN, s)):  # the main thread's first
+        held = [[q for (s, q) in by_key if s == stream and p in by_key[s, q]] for p in records]
+        first = max((min(seqs) for seqs in held if seqs), default=0)  # what every record still holds
+        for seq in sorted(q for s, q in by_key if s == stream and q >= first):
+            seen = by_key[stream, seq]
+            if len({(e["site"], e["step"]) for e in seen.values()}) == 1 and len(seen) == len(records):
+                continue
+            parts = []
+            for p in sorted(records):
+                e = seen.get(p)
+                if e is None:
+                    parts.append(f"process {p} never issued it")
+                else:
+                    state = "waiting" if e["left"] is None else "done"
+                    parts.append(f"process {p} at {e['site']!r} (step {e['step']}, {state})")
+            on = "" if stream == MAIN else f" on the {stream} thread"
+            return f"collective #{seq}{on}: " + ", ".join(parts)
     return "none: the processes issued the same collectives"

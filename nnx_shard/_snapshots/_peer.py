@@ -1,5 +1,9 @@
 """A snapshot's copy to one peer process: the peers (a ring over failure domains), the copy sent in parts
-through JAX ``ppermute``s over a mesh of one device per process, and what came back."""
+through JAX ``ppermute``s over a mesh of one device per process, and what came back.
+
+That mesh runs in reverse process order: a communicator is chosen by its devices in order, and meshes
+(``create_mesh``'s, ``process_allgather``'s) run in process order, so no program of a step shares the copy's
+communicator, which may be in use by the snapshot's thread while a step runs (CPU devices)."""
 
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def place(row: np.ndarray) -> list[Any]:
     parts = [row[:, a : a + PART_BYTES] for a in range(0, row.shape[1], PART_BYTES)]
     if jax.process_count() == 1:
         return parts
-    device = list(process_mesh().devices.flat)[jax.process_index()]
+    device = process_mesh().devices.flat[jax.process_index()]
     return jax.block_until_ready([jax.device_put(part, device) for part in parts])
 
 
@@ -72,25 +76,31 @@ def exchange(parts: Sequence[Any], dest: Sequence[int], step: int) -> list[Any]:
     n = jax.process_count()
     if n == 1:
         return list(parts)  # its own peer
-    mesh = process_mesh()
-    sharding, send = NamedSharding(mesh, PartitionSpec("p")), _ppermute(mesh, tuple(int(d) for d in dest))
-    sent = []
+    send, sent = _ppermute(tuple(int(d) for d in dest)), []
+    sharding = NamedSharding(exchange_mesh(), PartitionSpec("p"))
     for part in parts:
         whole = jax.make_array_from_single_device_arrays((n, part.shape[1]), sharding, [part])
-        with recorded("snapshot.exchange", step, whole.shape):
+        with recorded("snapshot.exchange", step, whole.shape, stream="snapshot"):
             sent.append(send(whole).addressable_shards[0].data)  # what came here
     return sent
 
 
+def exchange_mesh() -> Mesh:
+    """The copy's mesh ``("p",)``: process_mesh's devices, last process first (its own communicator)."""
+    return Mesh(process_mesh().devices[::-1], ("p",))
+
+
 @cached(maxsize=None)
-def _ppermute(mesh: Mesh, to: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
-    """The jitted ``ppermute`` from each process ``i`` to ``to[i]``, its input donated (no new pages)."""
+def _ppermute(dest: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
+    """The jitted ``ppermute`` on :func:`exchange_mesh` from each process ``p`` to ``dest[p]``, its input
+    donated (no new pages)."""
+    n = len(dest)  # process p is at place n - 1 - p on the mesh
 
     def send(x: jax.Array) -> jax.Array:
-        return jax.lax.ppermute(x, "p", list(enumerate(to)))
+        return jax.lax.ppermute(x, "p", [(n - 1 - p, n - 1 - d) for p, d in enumerate(dest)])
 
     spec = PartitionSpec("p")
-    return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec), donate_argnums=0)
+    return jax.jit(jax.shard_map(send, mesh=exchange_mesh(), in_specs=spec, out_specs=spec), donate_argnums=0)
 
 
 def received(sent: Sequence[Any]) -> np.ndarray:

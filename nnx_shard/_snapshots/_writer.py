@@ -1,7 +1,9 @@
 """In-memory snapshots: each process's own shards in a file in host memory (``/dev/shm``), and a copy of
 one peer's on another failure domain (the host name, or ``NNX_SHARD_FAILURE_DOMAIN``), sent through JAX.
 The step copies the shards (CPU) or has each device copy its own (``_device``); the rest runs in a thread.
-Each snapshot starts with one agreement of every process, and goes to the peer a fixed number of steps later.
+Each snapshot starts with one agreement of every process, and goes to the peer a fixed number of steps later:
+on CPU devices, which run a collective whose input is ready on the thread that issues it, from the writer's
+thread (beside the steps), elsewhere queued from the caller's (the devices run it beside the steps).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class _Snapshot:
 
 class SnapshotWriter:
     """Writes each snapshot (own + one peer's shards) to this process's folder; keeps the newest ``keep``.
-    ``poll``, before each step, sends the copy to the peer ``EXCHANGE_AFTER`` steps after its snapshot (1
+    ``poll``, before each step, starts the copy to the peer ``EXCHANGE_AFTER`` steps after its snapshot (1
     when snapshots are closer, ``every``); ``skipped`` counts the snapshots not taken while one was busy.
 
     >>> import tempfile
@@ -91,6 +93,7 @@ class SnapshotWriter:
         self._discard = list(discard)  # folders of the run before, removed once this run has a snapshot
         self._newest = max(self._steps(), default=0)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nnx_shard-snapshot")
+        self._send_on_thread = jax.local_devices()[0].platform == "cpu"
         self._job: concurrent.futures.Future[None] | None = None  # the background job in flight
         self._current: _Snapshot | None = None
         self._maps: dict[int, np.ndarray] = {}  # the kept files' mappings, by inode
@@ -154,8 +157,8 @@ class SnapshotWriter:
             return True
 
     def poll(self, step: int) -> None:
-        """Before the step after ``step``, on every process: sends the snapshot in flight to the peer once
-        ``exchange_after`` steps have passed since it."""
+        """Before the step after ``step``, on every process: starts sending the snapshot in flight to the peer
+        once ``exchange_after`` steps have passed since it."""
         current = self._current
         if current is not None and not current.exchanged and step + 1 - current.step >= self.exchange_after:
             self._exchange(current)
@@ -172,17 +175,22 @@ class SnapshotWriter:
 
     def close(self, *, remove: bool, failed: bool = False) -> None:
         """Waits for the last write; ``remove`` frees this process's snapshots (a finished run needs none).
-        ``failed`` (an exception the other processes may not share): no collective, nothing more published."""
-        self._join() if failed else self.wait()
+        ``failed`` (an exception the other processes may not share): no collective started, nothing more
+        published, an error of the copy in flight logged (not raised over the one that ended the run)."""
+        self._join(failed=True) if failed else self.wait()
         self._pool.shutdown(wait=True)
         self._current, self._maps = None, {}
         if remove:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _join(self) -> None:
-        if self._job is not None:
-            self._job.result()  # the jobs keep their errors in the snapshot
-            self._job = None
+    def _join(self, *, failed: bool = False) -> None:
+        job, self._job = self._job, None
+        if job is None:
+            return
+        if failed and job.exception() is not None:
+            logger.warning("the snapshot's copy to the peer failed too: %s", job.exception())
+            return
+        job.result()  # the jobs keep their own errors in the snapshot; a collective's failure is raised
 
     def _open(self, tmp: Path, size: int) -> np.ndarray:
         """Makes the folder ``tmp`` (the oldest kept one when ``keep`` are there, its pages allocated, or new)
@@ -227,7 +235,7 @@ class SnapshotWriter:
                     f.seek(snapshot.size)
                     f.write(header)
                     f.truncate(snapshot.size + len(header))
-                if not snapshot.exchanged:
+                if jax.process_count() > 1:
                     snapshot.parts = place(outgoing([buf, np.frombuffer(header, np.uint8)], snapshot.width))
                 else:
                     self._publish(snapshot, None)
@@ -236,15 +244,22 @@ class SnapshotWriter:
                 snapshot.error = str(e)
 
     def _exchange(self, snapshot: _Snapshot) -> None:
-        """Sends the own file to the peer (a collective; an empty row if the snapshot failed here); what came
-        here is written in the background."""
-        with jax.profiler.TraceAnnotation("nnx_shard.snapshot.exchange", step=snapshot.step):
+        """Sends the own file to the peer, then writes what came here, in the background: on CPU devices all
+        of it in the writer's thread, after the packing (its jobs run in order); elsewhere the copy's
+        collectives are queued here."""
+        snapshot.exchanged = True
+        if self._send_on_thread:
+            self._job = self._pool.submit(lambda: self._receive(snapshot, self._send(snapshot)))
+        else:
             self._join()  # the own file is packed and placed
+            self._job = self._pool.submit(self._receive, snapshot, self._send(snapshot))
+
+    def _send(self, snapshot: _Snapshot) -> list[Any]:
+        """The copy's collectives (an empty row if the snapshot failed here): what came, not waited for."""
+        with jax.profiler.TraceAnnotation("nnx_shard.snapshot.exchange", step=snapshot.step):
             ok = snapshot.error is None and snapshot.parts is not None
             parts, snapshot.parts = snapshot.parts if ok else place(outgoing([], snapshot.width)), None
-            sent = exchange(parts, self.dest, snapshot.step)
-            snapshot.exchanged = True
-            self._job = self._pool.submit(self._receive, snapshot, sent)
+            return exchange(parts, self.dest, snapshot.step)
 
     def _receive(self, snapshot: _Snapshot, sent: Any) -> None:
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.receive", step=snapshot.step):

@@ -78,7 +78,7 @@ def flight_report(what: str) -> tuple[str, set[int]]:
     n = jax.process_count()
     if n == 1:
         return report, set()
-    mine = [{k: e[k] for k in ("sequence", "site", "step", "left")} for e in RECORDER.as_json()]
+    mine = [{k: e[k] for k in ("sequence", "site", "step", "left", "stream")} for e in RECORDER.as_json()]
     records: dict[int, Any] = {}
 
     def exchange() -> None:

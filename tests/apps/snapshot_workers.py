@@ -54,24 +54,24 @@ def delayed(folder: str, slow: str) -> dict:
     import jax
 
     import nnx_shard as ns
-    from nnx_shard._cluster import RECORDER, process_mesh
+    from nnx_shard._cluster import RECORDER
     from nnx_shard._snapshots import SnapshotWriter, _peer, _writer
 
     at, sent = [0], []
     real = {"packing": "sum_shares", "receive": "received", "copy": "copy_in"}[slow]
-    original, real_exchange = getattr(_writer, real), _writer.exchange
+    original, start_exchange = getattr(_writer, real), SnapshotWriter._exchange
 
     def slowed(*args):
         time.sleep(0.15)
         return original(*args)
 
-    def exchange(row, dest, step):
+    def exchange(writer, snapshot):
         sent.append(at[0])
-        return real_exchange(row, dest, step)
+        return start_exchange(writer, snapshot)
 
     if jax.process_index() == 1:
         setattr(_writer, real, slowed)
-    _writer.exchange = exchange
+    SnapshotWriter._exchange = exchange
     watched("the delayed snapshot worker")
     states = _states(ns.create_mesh((jax.device_count(),), ("fsdp",)))
     RECORDER.keep_journal()
@@ -88,7 +88,7 @@ def delayed(folder: str, slow: str) -> dict:
         writer.wait()
         peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
         writer.close(remove=calls[0] == 51)
-    sends = _peer._ppermute(process_mesh(), tuple(writer.dest))
+    sends = _peer._ppermute(tuple(writer.dest))
     return {
         "journal": RECORDER.journal,
         "taken": taken,
@@ -97,6 +97,43 @@ def delayed(folder: str, slow: str) -> dict:
         "skipped": writer.skipped,
         "programs": [_peer._ppermute.cache_info().misses, sends._cache_size()],
     }
+
+
+def beside_a_steps_ppermute(folder: str) -> dict:
+    """Snapshots every 5 steps of a job of one device per process whose steps are 10 ``ppermute``s each over
+    every device in process order (as a pipeline's or a ring attention's), of 1 MiB and 1 KiB in turn, while
+    each copy goes to the peer in 4 KiB parts from the writer's thread: the steps whose values came back
+    wrong, and the steps of the snapshots kept."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import nnx_shard as ns
+    from nnx_shard._snapshots import SnapshotWriter, _peer
+
+    _peer.PART_BYTES = 2**12  # each copy in 256 parts
+    watched("the worker whose steps ppermute")
+    n, me = jax.process_count(), jax.process_index()
+    mesh = ns.create_mesh((n,), ("fsdp",))
+    states, spec, ring = _states(mesh), PartitionSpec("fsdp"), [(i, (i + 1) % n) for i in range(n)]
+    send = jax.jit(
+        jax.shard_map(lambda x: jax.lax.ppermute(x, "fsdp", ring), mesh=mesh, in_specs=spec, out_specs=spec)
+    )
+    writer, wrong = SnapshotWriter(folder, keep=2, every=5), []
+    for step in range(1, 31):
+        writer.poll(step - 1)
+        for k in range(10):
+            mine = np.full((1, 2**18 if k % 2 else 256), me * 1000 + k, np.float32)
+            x = jax.make_array_from_single_device_arrays(
+                (n, mine.shape[1]), NamedSharding(mesh, spec), [jax.device_put(mine, jax.local_devices()[0])]
+            )
+            if not (np.asarray(send(x).addressable_shards[0].data) == (me - 1) % n * 1000 + k).all():
+                wrong.append(step)
+        if step % 5 == 0:
+            writer.write(step, states)
+    writer.wait()
+    kept = sorted(int(p.name.split("-")[1]) for p in writer.folder.glob("step-*"))
+    writer.close(remove=False)
+    return {"wrong": wrong, "kept": kept}
 
 
 def restore_onto_more(folder: str) -> dict:

@@ -32,10 +32,31 @@ def test_the_recorder_keeps_the_last_collectives_and_says_which_one_waits(tmp_pa
         assert recorder.waiting() is entry and entry.named() == "#5 'test.open' at step 5"
     assert recorder.waiting() is None
     assert [e.step for e in recorder.entries()] == [3, 4, 5]  # the last three
-    assert len(recorder.journal) == 6 and recorder.journal[0] == ("test.site", 0, (2,))
+    assert len(recorder.journal["main"]) == 6 and recorder.journal["main"][0] == ("test.site", 0, (2,))
     monkeypatch.setenv(FLIGHT_DIR, str(tmp_path))
     written = json.loads(open(recorder.dump("a test")).read())
     assert written["why"] == "a test" and [c["sequence"] for c in written["collectives"]] == [3, 4, 5]
+
+
+def test_a_thread_of_its_own_numbers_its_collectives_apart_and_is_named_while_it_waits():
+    """The snapshot's copy goes to its peer from the writer's thread while the main thread issues its own:
+    each stream is numbered apart (the main thread's numbers, which every agreement carries, do not depend
+    on how the threads interleave), and a process whose main thread waits in none is reported inside the
+    other thread's."""
+    recorder = FlightRecorder()
+    recorder.keep_journal()
+    with recorder.entered("snapshot.exchange", 10, (2, 8), stream="snapshot") as sending:
+        assert recorder.waiting() is sending
+        assert sending.named() == "#0 'snapshot.exchange' at step 10 on the snapshot thread"
+        with recorder.entered("snapshot.agree", 20, (2,)) as agreeing:
+            assert (agreeing.sequence, recorder.waiting()) == (0, agreeing)  # the main thread's first
+        assert recorder.waiting() is sending
+    with recorder.entered("snapshot.agree", 30, (2,)) as later:
+        assert later.sequence == 1
+    assert recorder.journal == {
+        "snapshot": [("snapshot.exchange", 10, (2, 8))],
+        "main": [("snapshot.agree", 20, (2,)), ("snapshot.agree", 30, (2,))],
+    }
 
 
 def test_the_first_divergence_names_each_process_and_where_it_waits():
@@ -56,6 +77,12 @@ def test_the_first_divergence_names_each_process_and_where_it_waits():
     late = record((5, "x", 9, 1.0), (6, "y", 9, None))
     early = record((4, "w", 9, 1.0), (5, "x", 9, 1.0), (6, "z", 9, None))
     assert first_divergence({0: late, 1: early}).startswith("collective #6: process 0 at 'y'")
+    # another thread's collectives are compared among themselves, after the main thread's agree
+    sent = {"sequence": 0, "site": "snapshot.exchange", "step": 10, "left": None, "stream": "snapshot"}
+    assert first_divergence({0: [*same, sent], 1: same}) == (
+        "collective #0 on the snapshot thread: process 0 at 'snapshot.exchange' (step 10, waiting), "
+        "process 1 never issued it"
+    )
 
 
 def test_one_extra_agreement_is_a_named_error_on_every_process_not_a_hang(multiprocess, tmp_path):

@@ -68,14 +68,32 @@ def test_processes_issue_the_same_collectives_whatever_one_of_them_is_slow_at(mu
         args={"folder": str(tmp_path / "s"), "slow": slow},
     )
     first, second = (r.ok() for r in results)
-    assert first["journal"] == second["journal"]
-    sites = [site for site, _, _ in first["journal"]]
-    assert sites.count("snapshot.agree") == 5 and sites.count("snapshot.exchange") == 5, sites
+    assert first["journal"] == second["journal"]  # each thread's collectives, in order
+    sites = [site for site, _, _ in first["journal"]["main"]]
+    assert sites.count("snapshot.agree") == 5 and "snapshot.exchange" not in sites, sites
+    assert [site for site, _, _ in first["journal"]["snapshot"]] == ["snapshot.exchange"] * 5
     assert first["sent"] == second["sent"] == [11, 21, 31, 41, 61]
     for pid, r in enumerate((first, second)):
         assert r["taken"] == [True] * 5 and r["skipped"] == 0
         assert r["peers"] == [f"peer-{1 - pid}.bin"] * 2, r  # the 2 kept, each with the peer's copy
         assert r["programs"] == [1, 1]
+
+
+def test_the_copy_to_the_peer_never_crosses_a_steps_ppermute_over_the_same_devices(multiprocess, tmp_path):
+    """One device per process, steps of ``ppermute``s over both in process order: the snapshots' copies
+    go to the peer from the writer's thread beside those steps, on a communicator of their own (a ``ppermute``
+    of each on one communicator would take the other's message and abort both processes). Every step's
+    values come back as sent, and each kept snapshot holds the other process's own file byte for byte."""
+    folder = tmp_path / "snap"
+    results, _ = multiprocess(
+        "tests.apps.snapshot_workers:beside_a_steps_ppermute", 2, devices=1, args={"folder": str(folder)}
+    )
+    for pid, r in enumerate(results):
+        assert r.ok() == {"wrong": [], "kept": [25, 30]}
+        for step in (25, 30):
+            other = np.fromfile(folder / f"process-{1 - pid}" / f"step-{step}" / "own.bin", np.uint8)
+            peer = np.fromfile(folder / f"process-{pid}" / f"step-{step}" / f"peer-{1 - pid}.bin", np.uint8)
+            np.testing.assert_array_equal(peer, other)
 
 
 def test_the_trainer_snapshots_every_n_steps_and_refuses_to_start_without_the_memory(
@@ -184,7 +202,7 @@ def test_every_processes_local_view_gives_the_same_collectives(tmp_path, monkeyp
     if len(combos) > 48:
         combos = random.Random(processes).sample(combos, 48)
     states = {"w": jnp.arange(64.0)}
-    me, journal = [0], []
+    me, journal, sends = [0], [], []
 
     def busy(p, step):
         return combo[p * len(snaps) + snaps.index(step)]
@@ -193,8 +211,8 @@ def test_every_processes_local_view_gives_the_same_collectives(tmp_path, monkeyp
         journal.append((site, step))
         return np.array([[busy(p, step), values[1]] for p in range(processes)], np.int64)
 
-    def exchange(row, dest, step):
-        journal.append(("snapshot.exchange", step))
+    def exchange(row, dest, step):  # on CPU devices from the writer's thread, in its own order
+        sends.append(("snapshot.exchange", step))
         return row
 
     monkeypatch.setattr(jax, "process_count", lambda: processes)
@@ -208,7 +226,7 @@ def test_every_processes_local_view_gives_the_same_collectives(tmp_path, monkeyp
     for k, combo in enumerate(combos):
         schedules = []
         for p in range(processes):
-            me[0], journal = p, []
+            me[0], journal, sends = p, [], []
             writer = _writer.SnapshotWriter(tmp_path / f"{k}-{p}")
             for step in range(1, 9):
                 writer.poll(step - 1)
@@ -216,6 +234,6 @@ def test_every_processes_local_view_gives_the_same_collectives(tmp_path, monkeyp
                     writer._step = step
                     writer.write(step, states, skip_if_busy=True)
             writer.close(remove=True)
-            schedules.append(journal)
+            schedules.append((journal, sends))
         assert all(s == schedules[0] for s in schedules), (combo, schedules)
-        assert [s for site, s in schedules[0] if site == "snapshot.agree"] == snaps
+        assert [s for site, s in schedules[0][0] if site == "snapshot.agree"] == snaps
