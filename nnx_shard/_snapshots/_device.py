@@ -24,9 +24,8 @@ CHUNK_BYTES = 2**25  # a shard is copied in chunks of whole rows of at most this
 
 @cached(maxsize=16)
 def _program(key: tuple[tuple[tuple[int, ...], int, tuple[range, ...]], ...]) -> Any:
-    """``(shards) -> (chunks, shares)`` for one device's shards, each keyed (global shape, base, row ranges):
-    each shard copied in chunks of rows, its share summed over them; one read of each (a TPU's compile of a
-    whole copy and its sum reads it twice)."""
+    """``(shards) -> (chunks, shares)`` for one device's shards keyed (global shape, base, row ranges): each
+    copied in chunks of rows, its share summed over them in one read (a TPU's whole copy and sum: two)."""
 
     def stage(shards: list[jax.Array]) -> tuple[list[list[jax.Array]], jax.Array]:
         chunks, shares = [], []
@@ -64,8 +63,7 @@ def _work(shards: Sequence[Shard]) -> list[tuple[Any, list[int], Any]]:
 
 
 def has_room(shards: Sequence[Shard], work: Sequence[tuple[Any, list[int], Any]] | None = None) -> bool:
-    """Whether every device's allocator has room for copies of its shards (never on the CPU, which keeps no
-    statistics)."""
+    """Whether every device's allocator has room for copies of its shards (never on CPUs: no statistics)."""
     for device, members, _ in work if work is not None else _work(shards):
         stats = device.memory_stats() if device.platform != "cpu" else None
         if not stats or "bytes_limit" not in stats:

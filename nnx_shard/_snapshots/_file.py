@@ -1,7 +1,6 @@
 """A snapshot file: ``[8 bytes: where the header starts][the shards][the JSON header]``. Each shard this
 process owns is a :class:`Piece`, aligned to 64 bytes, with its share of its array's fingerprint (an array's
-pieces add up to it): a piece is checked where it is read, and the whole once placed.
-"""
+pieces add up to it): a piece is checked where it is read, and the whole once placed."""
 
 from __future__ import annotations
 
@@ -78,9 +77,8 @@ class Header:
 
 def widest_bytes(pieces: Sequence[Piece]) -> int:
     """The length of ``pieces``' JSON (as in :meth:`Header.to_bytes`) with each share at its widest."""
-    return len(
-        json.dumps([dataclasses.asdict(dataclasses.replace(p, share=2**32 - 1)) for p in pieces]).encode()
-    )
+    widest = [dataclasses.asdict(dataclasses.replace(p, share=2**32 - 1)) for p in pieces]
+    return len(json.dumps(widest).encode())
 
 
 class Layouts:

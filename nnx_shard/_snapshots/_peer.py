@@ -1,9 +1,7 @@
 """A snapshot's copy to one peer process: the peers (a ring over failure domains), the copy sent in parts
-through JAX ``ppermute``s over a mesh of one device per process, and what came back.
-
-That mesh runs in reverse process order: a communicator is chosen by its devices in order, and meshes
-(``create_mesh``'s, ``process_allgather``'s) run in process order, so no program of a step shares the copy's
-communicator, which may be in use by the snapshot's thread while a step runs (CPU devices)."""
+through JAX ``ppermute``s over a mesh of one device per process in reverse process order (XLA keys a
+communicator by its devices in order, and a step's meshes run in process order: the copy, which may go
+while a step runs, has a communicator of its own), and what came back."""
 
 from __future__ import annotations
 
@@ -66,18 +64,15 @@ def place(row: np.ndarray) -> list[Any]:
     parts = [row[:, a : a + PART_BYTES] for a in range(0, row.shape[1], PART_BYTES)]
     if jax.process_count() == 1:
         return parts
-    device = process_mesh().devices.flat[jax.process_index()]
-    return jax.block_until_ready([jax.device_put(part, device) for part in parts])
+    return jax.block_until_ready(jax.device_put(parts, process_mesh().devices.flat[jax.process_index()]))
 
 
 def exchange(parts: Sequence[Any], dest: Sequence[int], step: int) -> list[Any]:
     """Sends a :func:`place`-d row to process ``dest[me]``, one ``ppermute`` a part (collectives every process
     calls in the same order, with rows of the agreed width); :func:`received` gives what came here."""
-    n = jax.process_count()
-    if n == 1:
+    if (n := jax.process_count()) == 1:
         return list(parts)  # its own peer
-    send, sent = _ppermute(tuple(int(d) for d in dest)), []
-    sharding = NamedSharding(exchange_mesh(), PartitionSpec("p"))
+    (send, sharding), sent = _ppermute(tuple(int(d) for d in dest)), []
     for part in parts:
         whole = jax.make_array_from_single_device_arrays((n, part.shape[1]), sharding, [part])
         with recorded("snapshot.exchange", step, whole.shape, stream="snapshot"):
@@ -85,22 +80,17 @@ def exchange(parts: Sequence[Any], dest: Sequence[int], step: int) -> list[Any]:
     return sent
 
 
-def exchange_mesh() -> Mesh:
-    """The copy's mesh ``("p",)``: process_mesh's devices, last process first (its own communicator)."""
-    return Mesh(process_mesh().devices[::-1], ("p",))
-
-
 @cached(maxsize=None)
-def _ppermute(dest: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
-    """The jitted ``ppermute`` on :func:`exchange_mesh` from each process ``p`` to ``dest[p]``, its input
-    donated (no new pages)."""
-    n = len(dest)  # process p is at place n - 1 - p on the mesh
+def _ppermute(dest: tuple[int, ...]) -> tuple[Callable[[jax.Array], jax.Array], NamedSharding]:
+    """The jitted ``ppermute`` of process ``p``'s row to ``dest[p]`` (its input donated: no new pages) and
+    the rows' sharding, over one device per process in reverse process order (a communicator of its own)."""
+    n, mesh, spec = len(dest), Mesh(process_mesh().devices[::-1], ("p",)), PartitionSpec("p")
 
-    def send(x: jax.Array) -> jax.Array:
+    def send(x: jax.Array) -> jax.Array:  # process p is at place n - 1 - p
         return jax.lax.ppermute(x, "p", [(n - 1 - p, n - 1 - d) for p, d in enumerate(dest)])
 
-    spec = PartitionSpec("p")
-    return jax.jit(jax.shard_map(send, mesh=exchange_mesh(), in_specs=spec, out_specs=spec), donate_argnums=0)
+    program = jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec)
+    return jax.jit(program, donate_argnums=0), NamedSharding(mesh, spec)
 
 
 def received(sent: Sequence[Any]) -> np.ndarray:

@@ -66,8 +66,7 @@ def choose(holdings: list[list[list[int]]], previous: int, after: int) -> tuple[
 
 
 def _moves(pieces: list[list[Any]], targets: dict[str, Any]) -> Iterator[tuple[int, int, int, Block, Block]]:
-    """``(server, new process, piece number, piece box, overlap)`` of every block a new shard needs, in one
-    order every process computes alike."""
+    """``(server, new process, piece number, piece box, overlap)`` of each block a new shard needs, alike."""
     regions: dict[str, set[tuple[int, Block]]] = {}
     for path, x in targets.items():
         for device, index in x.sharding.devices_indices_map(x.shape).items():

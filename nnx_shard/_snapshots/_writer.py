@@ -1,10 +1,8 @@
 """In-memory snapshots: each process's own shards in a file in host memory (``/dev/shm``), and a copy of
 one peer's on another failure domain (the host name, or ``NNX_SHARD_FAILURE_DOMAIN``), sent through JAX.
 The step copies the shards (CPU) or has each device copy its own (``_device``); the rest runs in a thread.
-Each snapshot starts with one agreement of every process, and goes to the peer a fixed number of steps later:
-on CPU devices, which run a collective whose input is ready on the thread that issues it, from the writer's
-thread (beside the steps), elsewhere queued from the caller's (the devices run it beside the steps).
-"""
+Each snapshot starts with one agreement of every process, and goes to the peer a fixed number of steps later
+(from the writer's thread on CPU devices, which run a collective with ready inputs on the calling thread)."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ def default_snapshot_dir(job: str) -> Path:
 
 
 def snapshot_folder(directory: Path, run: int | None, process: int) -> Path:
-    """A process's own folder: ``process-<id>``, under ``run-<restart>`` in a job of ``nnx-shard launch``
-    (ids are renumbered on a restart, so each run has its own folders)."""
+    """A process's folder: ``process-<id>``, under ``run-<restart>`` in a launched job (restarts renumber)."""
     return (directory if run is None else directory / f"run-{run}") / f"process-{process}"
 
 
@@ -143,9 +140,8 @@ class SnapshotWriter:
                 for newer in [s for s in self._steps() if s >= step]:  # a restart never resumes from it
                     shutil.rmtree(self.folder / f"step-{newer}", ignore_errors=True)
             self._newest = step
-            snapshot = _Snapshot(
-                step, self.folder / f".step-{step}.tmp", header, size, int(votes[:, 1].max())
-            )
+            tmp = self.folder / f".step-{step}.tmp"
+            snapshot = _Snapshot(step, tmp, header, size, int(votes[:, 1].max()))
             snapshot.staged = self._staging.stage(shards, self._layouts.key)
             if snapshot.staged is None:  # CPU devices, or no room on the devices: copied before the next step
                 snapshot.pages = self._open(snapshot.folder, size)
@@ -157,8 +153,7 @@ class SnapshotWriter:
             return True
 
     def poll(self, step: int) -> None:
-        """Before the step after ``step``, on every process: starts sending the snapshot in flight to the peer
-        once ``exchange_after`` steps have passed since it."""
+        """Before the step after ``step``: starts the copy to the peer ``exchange_after`` steps after it."""
         current = self._current
         if current is not None and not current.exchanged and step + 1 - current.step >= self.exchange_after:
             self._exchange(current)
@@ -175,8 +170,7 @@ class SnapshotWriter:
 
     def close(self, *, remove: bool, failed: bool = False) -> None:
         """Waits for the last write; ``remove`` frees this process's snapshots (a finished run needs none).
-        ``failed`` (an exception the other processes may not share): no collective started, nothing more
-        published, an error of the copy in flight logged (not raised over the one that ended the run)."""
+        ``failed`` (an exception the others may not share): no collective started, nothing more published."""
         self._join(failed=True) if failed else self.wait()
         self._pool.shutdown(wait=True)
         self._current, self._maps = None, {}
@@ -184,13 +178,11 @@ class SnapshotWriter:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def _join(self, *, failed: bool = False) -> None:
-        job, self._job = self._job, None
-        if job is None:
-            return
-        if failed and job.exception() is not None:
-            logger.warning("the snapshot's copy to the peer failed too: %s", job.exception())
-            return
-        job.result()  # the jobs keep their own errors in the snapshot; a collective's failure is raised
+        job, self._job = self._job, None  # the jobs keep their errors in the snapshot, but a collective's
+        if job is not None and (error := job.exception()) is not None:
+            if not failed:  # after a failure, logged: not raised over the error that ended the run
+                raise error
+            logger.warning("the snapshot's copy to the peer failed too: %s", error)
 
     def _open(self, tmp: Path, size: int) -> np.ndarray:
         """Makes the folder ``tmp`` (the oldest kept one when ``keep`` are there, its pages allocated, or new)
@@ -217,8 +209,7 @@ class SnapshotWriter:
         return sorted(int(p.name.split("-")[1]) for p in self.folder.glob("step-*"))
 
     def _seal(self, snapshot: _Snapshot) -> None:
-        """In the background: the devices' copies into the file, the shares, the header, the copy for the
-        peer (with one process, the snapshot is then complete)."""
+        """In the background: copies into the file, shares, header, the copy for the peer (or published)."""
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.seal", step=snapshot.step):
             try:
                 own, pieces = snapshot.folder / "own.bin", snapshot.header.pieces
@@ -244,9 +235,8 @@ class SnapshotWriter:
                 snapshot.error = str(e)
 
     def _exchange(self, snapshot: _Snapshot) -> None:
-        """Sends the own file to the peer, then writes what came here, in the background: on CPU devices all
-        of it in the writer's thread, after the packing (its jobs run in order); elsewhere the copy's
-        collectives are queued here."""
+        """Sends the own file to the peer (on CPU devices from the writer's thread, after the packing), then
+        writes what came here in the background."""
         snapshot.exchanged = True
         if self._send_on_thread:
             self._job = self._pool.submit(lambda: self._receive(snapshot, self._send(snapshot)))

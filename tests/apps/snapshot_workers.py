@@ -88,7 +88,7 @@ def delayed(folder: str, slow: str) -> dict:
         writer.wait()
         peers = sorted(p.name for p in writer.folder.glob("step-*/peer-*.bin"))
         writer.close(remove=calls[0] == 51)
-    sends = _peer._ppermute(tuple(writer.dest))
+    sends = _peer._ppermute(tuple(writer.dest))[0]
     return {
         "journal": RECORDER.journal,
         "taken": taken,
