@@ -95,8 +95,7 @@ class SnapshotWriter:
         self._current: _Snapshot | None = None
         self._maps: dict[int, np.ndarray] = {}  # the kept files' mappings, by inode
         self._staging, self._layouts = Staging(), Layouts()
-        self.skipped = 0
-        self.last_bytes = (0, 0)  # the last snapshot's own file and the peer's copy received
+        self.skipped, self.last_bytes = 0, (0, 0)  # the last snapshot's own file and the peer's copy received
 
     def check_space(self, own_bytes: int) -> int:
         """Bytes the kept snapshots need here (own + peer, times ``keep``); a ConfigError on every process
@@ -235,14 +234,12 @@ class SnapshotWriter:
                 snapshot.error = str(e)
 
     def _exchange(self, snapshot: _Snapshot) -> None:
-        """Sends the own file to the peer (on CPU devices from the writer's thread, after the packing), then
-        writes what came here in the background."""
-        snapshot.exchanged = True
-        if self._send_on_thread:
-            self._job = self._pool.submit(lambda: self._receive(snapshot, self._send(snapshot)))
-        else:
+        """Sends the own file to the peer (from the writer's thread on CPU devices), then writes what came."""
+        snapshot.exchanged, sealed = True, self._job
+        if not self._send_on_thread:
             self._join()  # the own file is packed and placed
-            self._job = self._pool.submit(self._receive, snapshot, self._send(snapshot))
+        sent = None if self._send_on_thread else self._send(snapshot)
+        self._job = self._pool.submit(self._receive, snapshot, sent, sealed)
 
     def _send(self, snapshot: _Snapshot) -> list[Any]:
         """The copy's collectives (an empty row if the snapshot failed here): what came, not waited for."""
@@ -251,7 +248,10 @@ class SnapshotWriter:
             parts, snapshot.parts = snapshot.parts if ok else place(outgoing([], snapshot.width)), None
             return exchange(parts, self.dest, snapshot.step)
 
-    def _receive(self, snapshot: _Snapshot, sent: Any) -> None:
+    def _receive(self, snapshot: _Snapshot, sent: Any, sealed: Any) -> None:
+        sent = self._send(snapshot) if sent is None else sent  # from the writer's thread, after the packing
+        if sealed is not None and (error := sealed.exception()) is not None:  # an error of ours, once sent
+            raise error
         with jax.profiler.TraceAnnotation("nnx_shard.snapshot.receive", step=snapshot.step):
             try:
                 peer = received(sent)

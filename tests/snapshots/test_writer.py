@@ -237,3 +237,31 @@ def test_every_processes_local_view_gives_the_same_collectives(tmp_path, monkeyp
             schedules.append((journal, sends))
         assert all(s == schedules[0] for s in schedules), (combo, schedules)
         assert [s for site, s in schedules[0][0] if site == "snapshot.agree"] == snaps
+
+
+def test_a_failure_of_ours_in_the_packing_is_raised_after_the_copys_collective_not_hidden(
+    tmp_path, monkeypatch
+):
+    """The packing runs in the writer's thread, and on CPU devices the copy's collective goes from there
+    too: an unexpected error in the packing (a bug, not a full disk) still lets the collective go, with an
+    empty row, so that the peer is not left waiting in it; then it is raised on the caller's thread, and
+    the snapshot is not published."""
+    from nnx_shard._snapshots import _writer
+
+    sends = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(_writer, "agree", lambda site, values, **kw: np.array([[0, values[1]]] * 2, np.int64))
+    monkeypatch.setattr(_writer, "gather_json", lambda value, **kw: [value] * 2)
+    monkeypatch.setattr(_writer, "place", lambda row: [row])
+    monkeypatch.setattr(_writer, "exchange", lambda parts, dest, step: sends.append(step) or parts)
+
+    def broken(buf, pieces):
+        raise RuntimeError("a bug in the packing")
+
+    monkeypatch.setattr(_writer, "sum_shares", broken)
+    writer = _writer.SnapshotWriter(tmp_path / "snap")
+    assert writer.write(4, {"w": jnp.arange(64.0)})
+    with pytest.raises(RuntimeError, match="a bug in the packing"):
+        writer.wait()
+    assert sends == [4] and not list(writer.folder.glob("step-*"))
+    writer.close(remove=True)
