@@ -31,10 +31,7 @@ def peers(domains: Sequence[str]) -> list[int]:
     order = sorted(range(n), key=lambda i: (domains[i], i))
     largest = max(domains.count(x) for x in set(domains))
     shift = largest if largest < n else 1
-    dest = [0] * n
-    for k, i in enumerate(order):
-        dest[i] = order[(k + shift) % n]
-    return dest
+    return [dest for _, dest in sorted((i, order[(k + shift) % n]) for k, i in enumerate(order))]
 
 
 def row_width(nbytes: int) -> int:

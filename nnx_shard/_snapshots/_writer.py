@@ -30,6 +30,7 @@ from nnx_shard.errors import ConfigError
 logger = logging.getLogger("nnx_shard")
 DOMAIN = "NNX_SHARD_FAILURE_DOMAIN"
 EXCHANGE_AFTER = 2  # steps from a snapshot to its copy's exchange (one step runs beside its packing)
+_SENT: set[tuple[int, tuple[int, ...]]] = set()  # (width, peers) of copies sent: compiled, communicator made
 
 
 def default_snapshot_dir(job: str) -> Path:
@@ -235,10 +236,12 @@ class SnapshotWriter:
 
     def _exchange(self, snapshot: _Snapshot) -> None:
         """Sends the own file to the peer (from the writer's thread on CPU devices), then writes what came."""
-        snapshot.exchanged, sealed = True, self._job
-        if not self._send_on_thread:
+        snapshot.exchanged, sealed, kind = True, self._job, (snapshot.width, tuple(self.dest))
+        thread = self._send_on_thread and kind in _SENT  # a first copy compiles: its step waits for it
+        if not thread:
             self._join()  # the own file is packed and placed
-        sent = None if self._send_on_thread else self._send(snapshot)
+        sent = None if thread else self._send(snapshot)
+        _SENT.add(kind)
         self._job = self._pool.submit(self._receive, snapshot, sent, sealed)
 
     def _send(self, snapshot: _Snapshot) -> list[Any]:
@@ -272,9 +275,8 @@ class SnapshotWriter:
                 peer.tofile(tmp / f"peer-{source}.bin")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # complete, or not there
-        for old in self._steps()[: -self.keep]:
-            shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
-        for old in self._discard:  # a restart's: the snapshots of the run before are superseded
+        # older ones, and a restart's discarded: the snapshots of the run before are superseded
+        for old in [*(self.folder / f"step-{s}" for s in self._steps()[: -self.keep]), *self._discard]:
             shutil.rmtree(old, ignore_errors=True)
         self._discard = []
         logger.debug("snapshot of step %d complete in %s", snapshot.step, final)
