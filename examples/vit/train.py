@@ -59,7 +59,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--step-timeout",
         type=float,
         default=0.0,
-        help="end the process (status 124) if a step or a save hangs this long (0: off)",
+        help="end the process (status 124) if a step after the first or a save hangs this long (0: off)",
+    )
+    ap.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=0.0,
+        help="the same for init, restore and the first step, its compile included (0: off)",
     )
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices per process")
     ap.add_argument("--real-devices", action="store_true", help="use the accelerators JAX finds (GPU/TPU)")
@@ -134,6 +140,7 @@ def run(argv: list[str] | None = None) -> dict:
     if args.resume_auto:
         cfg.resume = "auto"
     cfg.step_timeout = cfg.save_timeout = args.step_timeout
+    cfg.startup_timeout = args.startup_timeout
     for key in ("log_every", "save_every"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)

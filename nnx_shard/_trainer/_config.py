@@ -82,7 +82,10 @@ SCHEMA: dict[str, Key] = {
     ),
     # hangs become failures: the process ends, naming the section, so the job can restart
     "step_timeout": _seconds(
-        "a training step that takes longer ends the process (a hang made a failure)", 0.0, zero_is_off=True
+        "a training step after the first (the startup's) that takes longer ends the process (a hang made "
+        "a failure)",
+        0.0,
+        zero_is_off=True,
     ),
     "startup_timeout": _seconds(
         "the same for init, restore and the first step (its compile)", 0.0, zero_is_off=True

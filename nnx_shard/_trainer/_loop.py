@@ -169,7 +169,7 @@ class TrainingLoop:
         cfg = self.config
         first, recovering = True, is_restart() and not self._recovery_done
         while self.progress.step < end:
-            if not (first and cfg.startup_timeout):  # the first step is part of the startup
+            if not first:  # the first step, its compile included, is the startup's (config.startup_timeout)
                 self.watchdog.arm(f"step {self.progress.step + 1}", cfg.step_timeout, "step_timeout")
             first = False
             try:

@@ -1,6 +1,7 @@
 """A training job run under `nnx-shard launch` by the tests: it may kill one of its own processes mid-run.
 
-python tests/apps/launch_app.py WORKDIR [--kill PROCESS:STEP] [--step-timeout S --hang-at STEP] [--data KIND]
+python tests/apps/launch_app.py WORKDIR [--kill PROCESS:STEP] [--step-timeout S --hang-at STEP[:S]]
+    [--data KIND]
 
 ``--data elastic`` reads numbered examples through grain's ElasticIterator, ``--data per-process`` through a
 grain iterator of this process's own shard; every process writes the example numbers it fed at each step to
@@ -36,6 +37,7 @@ from tests.apps.trainer_app import (  # noqa: E402
     batch_for,
     config,
     digest,
+    multiprocess_startup_timeout,
     multiprocess_step_timeout,
 )
 
@@ -188,7 +190,8 @@ def main() -> None:
         "--bucket", default="", help="the Trainer's workdir, a gs:// URI (the app's files stay local)"
     )
     ap.add_argument("--step-timeout", type=float, default=None)  # None: the test default (trainer_app)
-    ap.add_argument("--hang-at", type=int, default=-1)
+    ap.add_argument("--startup-timeout", type=float, default=None)  # None: the test default (trainer_app)
+    ap.add_argument("--hang-at", default="", help="STEP[:SECONDS]: sleep in STEP's callback (60 s)")
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--width", type=int, default=64, help="of the MLP's hidden layers")
     ap.add_argument("--snapshot-every", type=int, default=0)
@@ -233,6 +236,9 @@ def main() -> None:
             "async_save": False,
             "resume": "auto",
             "step_timeout": multiprocess_step_timeout() if args.step_timeout is None else args.step_timeout,
+            "startup_timeout": multiprocess_startup_timeout()
+            if args.startup_timeout is None
+            else args.startup_timeout,
             "heartbeat_timeout": 5,
             "shutdown_timeout": 5,
         }
@@ -260,8 +266,11 @@ def main() -> None:
             raw = bytearray(f.read_bytes())
             raw[8] ^= 0xFF  # the first byte of the first piece (after the 8 bytes saying where the header is)
             f.write_bytes(bytes(raw))
-    if args.hang_at >= 0:
-        trainer.add_callback(lambda step, m, t: time.sleep(60) if step == args.hang_at else None)
+    if args.hang_at:
+        hang_step, _, seconds = args.hang_at.partition(":")
+        trainer.add_callback(
+            lambda step, m, t: time.sleep(float(seconds or 60)) if step == int(hang_step) else None
+        )
     if args.off_host_at and restart == 0:  # the others on standby: they join the saves, run no step
         trainer.train(data, steps=args.off_host_at)
         trainer.resize("fsdp:-1", devices=[d for d in jax.devices() if d.process_index == 0])

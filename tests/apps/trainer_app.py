@@ -82,15 +82,27 @@ def batch_for(step: int, rows: int = 16) -> dict[str, np.ndarray]:
 
 
 # Every test of several processes runs with a step timeout: a hang ends them within a minute with the
-# watchdog's message (the process, the section, the collective each waits in), not at the harness's deadline.
+# watchdog's message (the process, the section, the collective each waits in), not at the harness's deadline;
+# and with a startup timeout (init, restore and the first step with its compile, slow under load).
 MULTIPROCESS_STEP_TIMEOUT = 60.0
+MULTIPROCESS_STARTUP_TIMEOUT = 180.0
+
+
+def _several_processes() -> bool:
+    """In a job of several processes (``nnx-shard launch``'s or the test harness's): a watchdog must not end a
+    pytest process."""
+    n = os.environ.get("NNX_SHARD_NUM_PROCESSES") or os.environ.get("NNX_SHARD_TEST_PROCESSES") or "1"
+    return int(n) > 1
 
 
 def multiprocess_step_timeout() -> float:
-    """``MULTIPROCESS_STEP_TIMEOUT`` in a job of several processes (``nnx-shard launch``'s or the test
-    harness's), else 0 (off: a watchdog must not end a pytest process)."""
-    n = os.environ.get("NNX_SHARD_NUM_PROCESSES") or os.environ.get("NNX_SHARD_TEST_PROCESSES") or "1"
-    return MULTIPROCESS_STEP_TIMEOUT if int(n) > 1 else 0.0
+    """``MULTIPROCESS_STEP_TIMEOUT`` in a job of several processes, else 0 (off)."""
+    return MULTIPROCESS_STEP_TIMEOUT if _several_processes() else 0.0
+
+
+def multiprocess_startup_timeout() -> float:
+    """``MULTIPROCESS_STARTUP_TIMEOUT`` in a job of several processes, else 0 (off)."""
+    return MULTIPROCESS_STARTUP_TIMEOUT if _several_processes() else 0.0
 
 
 def config(workdir: str, mesh: str = "fsdp:-1", **extra) -> dict:
@@ -102,6 +114,7 @@ def config(workdir: str, mesh: str = "fsdp:-1", **extra) -> dict:
         "progress": "off",
         "total_steps": 12,
         "step_timeout": multiprocess_step_timeout(),
+        "startup_timeout": multiprocess_startup_timeout(),
         **extra,
     }
 

@@ -318,6 +318,33 @@ def test_a_hung_step_ends_the_process_naming_the_section(tmp_path):
     )
 
 
+def test_the_first_step_and_its_compile_are_held_to_the_startup_timeout_not_the_step_timeout(tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        job = [sys.executable, APP, str(tmp_path / f"job{len(list(tmp_path.iterdir()))}"), "--steps", "3"]
+        return subprocess.run(
+            [*job, "--step-timeout", "2", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        )
+
+    # a first step of 4 s (a long compile) under a 2 s step timeout: the startup's 120 s hold it
+    slow_first = run("--startup-timeout", "120", "--hang-at", "1:4")
+    assert slow_first.returncode == 0, slow_first.stderr[-2000:]
+    hung_first = run("--startup-timeout", "5", "--hang-at", "1")
+    assert hung_first.returncode == 124, hung_first.stderr[-2000:]
+    assert (
+        "nnx_shard: startup (init, restore, the first step) did not finish within 5 s "
+        "(config.startup_timeout) in process 0 of 1" in hung_first.stderr
+    )
+    # without one (0, off) the startup has no limit, its first step included (the steps after have theirs:
+    # test_a_hung_step_ends_the_process_naming_the_section)
+    no_startup = run("--hang-at", "1:4")
+    assert no_startup.returncode == 0, no_startup.stderr[-2000:]
+
+
 def test_the_watchdog_says_what_the_coordination_service_knows_of_the_peers(multiprocess):
     results, _ = multiprocess(
         "tests.apps.mh_workers:hang_in_a_collective", 2, args={"hang": 1}, deadline_s=60
@@ -361,9 +388,11 @@ def test_cluster_examples_are_well_formed():
 
     args = parse(
         ["--workdir", "w", "--real-devices", "--distributed", "--resume-auto", "--step-timeout", "600"]
+        + ["--startup-timeout", "1800"]
     )
-    assert args.resume_auto and args.step_timeout == 600 and args.distributed
+    assert args.resume_auto and args.step_timeout == 600 and args.distributed and args.startup_timeout == 1800
     entry = (cluster / "train.sh").read_text()  # the one command the sbatch's tasks and the JobSet's pods run
-    assert "--resume-auto" in entry and "--step-timeout" in entry and "--distributed" in entry
+    for option in ("--resume-auto", "--step-timeout", "--startup-timeout", "--distributed"):
+        assert option in entry
     for text in ((cluster / "slurm.sbatch").read_text(), (cluster / "jobset.yaml").read_text()):
         assert "examples/cluster/train.sh" in text

@@ -22,10 +22,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = "examples/cluster/slurm.sbatch"
 STEPS = 8
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None,
-    reason="needs a SLURM cluster: make test-slurm starts one",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None,
+        reason="needs a SLURM cluster: make test-slurm starts one",
+    ),
+    pytest.mark.timeout(600),  # a job, its requeue (held 10 s) and its second run; finished() alone waits 300 s
+]
 
 
 def submit(workdir: Path, tasks: int = 2, steps: int = STEPS, step_timeout: int = 120) -> str:
