@@ -27,7 +27,7 @@ pytestmark = [
         not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None,
         reason="needs a SLURM cluster: make test-slurm starts one",
     ),
-    pytest.mark.timeout(600),  # a job, its requeue (held 10 s) and its second run; finished() alone waits 300 s
+    pytest.mark.timeout(600),  # a job, its requeue (held 10 s), its second run; finished() waits 300 s
 ]
 
 
