@@ -88,10 +88,15 @@ class CheckpointReader:
         self._budgeted.clear()
 
     def all_steps(self) -> list[int]:
-        """See :meth:`nnx_shard.Checkpointer.all_steps`."""
+        """See :meth:`nnx_shard.Checkpointer.all_steps`. The finished steps are listed; Orbax's view of them
+        (each step's metrics and time: a read each, in a bucket a request each) is read again only when
+        they differ from it: another writer's saves or steps set aside."""
         storage.refresh(self.directory)  # in a bucket, another process's saves and moves are seen
         if not self._exists():
             return []
+        listed = sorted(found.step for found in self._name_format().find_all(self.directory))
+        if sorted(self.manager.all_steps()) == listed:
+            return listed
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
@@ -121,16 +126,20 @@ class CheckpointReader:
             )
         return tree
 
+    def _name_format(self) -> Any:
+        """How Orbax names and finds the steps (a step is finished when its name is final and, in a bucket,
+        its ``commit_success.txt`` is there)."""
+        options = self._options
+        return ocp.step.standard_name_format(
+            step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
+        )
+
     def _finished(self, step: int) -> bool:
         """Whether ``step`` is a finished step there, asked of that step's folder alone (a listing also
         reads every step's metadata: in a bucket, a request each)."""
-        options = self._options
-        name_format = ocp.step.standard_name_format(
-            step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
-        )
         storage.refresh(self.directory)
         try:
-            name_format.find_step(self.directory, step)
+            self._name_format().find_step(self.directory, step)
         except ValueError:  # not there, or not finished: the listing below says which steps are
             return False
         return True

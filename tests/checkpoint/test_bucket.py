@@ -418,6 +418,31 @@ def test_a_steps_file_manifest_in_a_bucket_is_one_listing_and_names_a_changed_fi
     assert checked_files(step)[0] == ["meta/metadata"]
 
 
+def test_a_listing_rereads_the_steps_metadata_only_when_another_writer_changed_the_steps(
+    bucket, elsewhere, monkeypatch
+):
+    reloads = []
+    reload = ocp.CheckpointManager.reload
+    monkeypatch.setattr(ocp.CheckpointManager, "reload", lambda self: (reloads.append(1), reload(self))[1])
+    state = {"model": MLP(nnx.Rngs(0), width=32)}
+    with ns.Checkpointer(f"{bucket}/ck", async_save=False) as a, ns.Checkpointer(f"{bucket}/ck") as b:
+        a.save(1, state, mesh=mesh(8))
+        a.save(2, state, mesh=mesh(8))
+        assert b.all_steps() == [1, 2]  # another writer's steps: Orbax's view of them read once
+        reloads.clear()
+        assert b.save(3, state, mesh=mesh(8))
+        b.wait_until_finished()
+        assert b.all_steps() == [1, 2, 3] and b.all_steps() == [1, 2, 3]
+        assert reloads == []  # a save and its listings read no step's metadata: nothing changed
+        assert a.all_steps() == [1, 2, 3] and len(reloads) == 1  # a sees b's step
+        fs, path = fsspec.core.url_to_fs(f"{bucket}/ck/3")
+        fs.rm(path, recursive=True)  # set aside by another writer
+        assert b.all_steps() == [1, 2] and b.latest_step() == 2
+        assert b.save(3, state, mesh=mesh(8)), b.last_skip_reason  # not "already saved"
+        b.wait_until_finished()
+        assert b.all_steps() == [1, 2, 3]
+
+
 @pytest.mark.multihost
 def test_two_processes_resume_past_a_damaged_newest_step_in_a_bucket(bucket, multiprocess, elsewhere):
     workdir = f"{bucket}/run"
