@@ -55,6 +55,9 @@ class CheckpointReader:
     def __init__(self, directory: epath.Path, verify: bool, options: Any, manager: Callable[[], Any]):
         self.directory, self.verify = directory, verify
         self._options, self._manager = options, manager
+        self._names = ocp.step.standard_name_format(  # finished: a final name (and commit_success.txt)
+            step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
+        )
         self._saved_items: dict[int, list[str]] = {}  # per step, its top-level items (from its metadata)
         self._checked: dict[int, dict[str, bytes]] = {}  # a step's small files, as its structure check read
         self._meta: dict[int, Any] = {}  # the last checked step's metadata, read by its structure check
@@ -88,13 +91,12 @@ class CheckpointReader:
         self._budgeted.clear()
 
     def all_steps(self) -> list[int]:
-        """See :meth:`nnx_shard.Checkpointer.all_steps`. The finished steps are listed; Orbax's view of them
-        (each step's metrics and time: a read each, in a bucket a request each) is read again only when
-        they differ from it: another writer's saves or steps set aside."""
+        """See :meth:`nnx_shard.Checkpointer.all_steps`. Orbax's view (each step's metrics, a read each) is
+        read again only when the finished steps listed differ from it: another writer's saves, set-asides."""
         storage.refresh(self.directory)  # in a bucket, another process's saves and moves are seen
         if not self._exists():
             return []
-        listed = sorted(found.step for found in self._name_format().find_all(self.directory))
+        listed = sorted(found.step for found in self._names.find_all(self.directory))
         if sorted(self.manager.all_steps()) == listed:
             return listed
         self.manager.reload()
@@ -126,20 +128,11 @@ class CheckpointReader:
             )
         return tree
 
-    def _name_format(self) -> Any:
-        """How Orbax names and finds the steps (a step is finished when its name is final and, in a bucket,
-        its ``commit_success.txt`` is there)."""
-        options = self._options
-        return ocp.step.standard_name_format(
-            step_prefix=options.step_prefix, step_format_fixed_length=options.step_format_fixed_length
-        )
-
     def _finished(self, step: int) -> bool:
-        """Whether ``step`` is a finished step there, asked of that step's folder alone (a listing also
-        reads every step's metadata: in a bucket, a request each)."""
+        """Whether ``step`` is a finished step there, asked of its folder alone (a listing asks each one)."""
         storage.refresh(self.directory)
         try:
-            self._name_format().find_step(self.directory, step)
+            self._names.find_step(self.directory, step)
         except ValueError:  # not there, or not finished: the listing below says which steps are
             return False
         return True
